@@ -1,0 +1,17 @@
+"""Attention backends, behind a lazy registry so optional kernels cost nothing at import."""
+
+from __future__ import annotations
+
+import importlib
+
+_BACKENDS = {
+    "torch": ("swaserve.attention.torch_backend", "TorchBackend"),
+    "triton": ("swaserve.attention.triton_backend", "TritonBackend"),
+}
+
+
+def backend_class(name: str) -> type:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,61 @@
+"""The attention seam (DESIGN §5): `prepare` once per step, `forward` once per layer.
+
+One contract covers prefill, decode and mixed batches: request i has `query_lens[i]` new tokens
+at positions `[context_lens[i], context_lens[i] + query_lens[i])` and attends, causally and
+within its layer's window, to its cached keys plus its new ones. New K/V are written to the
+pool through a flat `slot_mapping` (page * page_size + offset) per attention group.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from swaserve.engine.forward_batch import ForwardBatch
+    from swaserve.memory.groups import GroupLayout
+    from swaserve.models.blocks import AttentionSpec
+
+
+@dataclass
+class AttentionInputs:
+    """CPU-side description of one step, per request (request-major order)."""
+
+    query_lens: list[int]
+    context_lens: list[int]  # tokens whose K/V are already in the pool
+    page_tables: list[list[list[int]]]  # [request][group] -> page ids (NULL where retired)
+
+
+def slot_mapping(
+    page_table: list[int], start: int, end: int, page_size: int
+) -> torch.Tensor:
+    """Flat pool slots of token positions [start, end) under one page table."""
+    pos = torch.arange(start, end)
+    table = torch.tensor(page_table, dtype=torch.int64)
+    return table[pos // page_size] * page_size + pos % page_size
+
+
+class AttentionBackend(ABC):
+    def __init__(self, layout: GroupLayout, page_size: int, device: torch.device) -> None:
+        self.layout = layout
+        self.page_size = page_size
+        self.device = device
+
+    @abstractmethod
+    def prepare(self, inputs: AttentionInputs) -> Any:
+        """Build this step's metadata (device tensors), shared by every layer."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: AttentionSpec,
+        sinks: torch.Tensor | None,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        """Store k/v `[T, Hkv, D]` in the pool, attend with q `[T, H, D]`; returns `[T, H, D]`."""

@@ -1,0 +1,96 @@
+"""`swaserve generate | serve | bench ...`: engine flags are EngineConfig fields (DESIGN §11)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+
+from swaserve.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = str(hints[f.name])
+        if hint == "bool":
+            p.add_argument(flag, action="store_true", default=f.default)
+            continue
+        kind = int if "int" in hint else float if "float" in hint else str
+        p.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f: getattr(args, f) for f in EngineConfig.field_names()}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from swaserve import Engine, SamplingParams
+
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("error: give --prompt TEXT (repeatable) or prompts on stdin", file=sys.stderr)
+        return 2
+    engine = Engine(**engine_kwargs(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.sampling_seed,
+    )
+    if args.chat:
+        outs = engine.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = engine.generate(prompts, params)
+    for out in outs:
+        print(out.text if len(outs) == 1 else json.dumps({"prompt": out.prompt, "text": out.text}))
+    return 0
+
+
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    from swaserve.bench.memory import main_from_config
+    from swaserve.engine.engine import resolve_folder
+
+    folder = resolve_folder(args.model)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    result = main_from_config(cfg, args.context, args.kv_cache_gb, args.page_size)
+    print(json.dumps(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="swaserve")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    m = bsub.add_parser("memory", help="KV capacity: window-aware pool vs every layer full")
+    m.add_argument("--model", default=EngineConfig.model)
+    m.add_argument("--context", type=int, default=8192)
+    m.add_argument("--kv-cache-gb", type=float, default=2.0)
+    m.add_argument("--page-size", type=int, default=16)
+    m.set_defaults(func=cmd_bench_memory)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

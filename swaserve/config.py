@@ -1,0 +1,78 @@
+"""EngineConfig: one dataclass for every knob, from CLI flags or `Engine(**kwargs)` (DESIGN §11)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto | dummy
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float = 0.85
+    kv_cache_dtype: str = "auto"  # auto | fp8_e4m3
+    attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch else
+    disable_prefix_cache: bool = False
+    host_cache_gb: float = 0.0
+    host_cache_policy: str = "write_back"
+    disk_cache_dir: str | None = None
+    cuda_graph_max_bs: int = 0
+    chat_template: str | None = None
+    seed: int = 0
+    max_queue: int = 1024
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"invalid {name}={getattr(self, name)!r}: {why}")
+
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", "must be >= 1")
+        if self.page_size < 1:
+            raise bad("page_size", "must be >= 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise bad("load_format", "must be auto or dummy")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise bad("kv_cache_dtype", "must be auto or fp8_e4m3")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise bad("attention_backend", "must be torch or triton")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise bad("dtype", "must be auto, float32, bfloat16 or float16")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise bad("kv_cache_gb", "must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise bad("max_model_len", "must be >= 1")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def backend_name(self) -> str:
+        if self.attention_backend:
+            return self.attention_backend
+        return "triton" if self.torch_device().type == "cuda" else "torch"

@@ -1,0 +1,186 @@
+"""The offline `Engine`: tokenizer + output processor + an in-process `EngineCore`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from pathlib import Path
+from typing import Any
+
+from swaserve.config import EngineConfig
+from swaserve.engine.core import EngineCore
+from swaserve.engine.output_processor import OutputProcessor
+from swaserve.outputs import RequestOutput
+from swaserve.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def resolve_folder(model: str) -> Path:
+    """A model name or path -> a Hugging Face folder (built-in alias, shipped config, GGUF
+    file converted once, or a folder)."""
+    from swaserve.weights.builtin import resolve_model
+    from swaserve.weights.loader import SHIPPED_CONFIGS, shipped_config_names
+
+    if model in shipped_config_names():
+        return SHIPPED_CONFIGS / model
+    return resolve_model(model)
+
+
+def load_tokenizer(folder: Path, name: str | None = None) -> Any | None:
+    """The folder's tokenizer, or None when it has none (dummy shapes): then only token ids."""
+    src = Path(name) if name else folder
+    if not any((src / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(src))
+
+
+def child_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Sequence i of a request with n > 1: its own core request, seed + i when seeded."""
+    seed = None if params.seed is None else params.seed + i
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+class Engine:
+    """`Engine(model="gemma-3-270m", device="cpu")`; keyword arguments are EngineConfig fields
+    (the CLI flags with underscores)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
+        self.config = EngineConfig(model=model or EngineConfig.model, **kwargs)
+        self.folder = resolve_folder(self.config.model)
+        if self.config.load_format != "dummy" and not any(self.folder.glob("*.safetensors")):
+            raise ValueError(
+                f"{self.config.model} has no weights ({self.folder}); use load_format='dummy'"
+            )
+        self.core = EngineCore(self.config, self.folder)
+        self.tokenizer = load_tokenizer(self.folder, self.config.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | list[str] | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts is not None:
+            texts: list[str | None] = list(prompts)
+            ids = [self._encode(p) for p in prompts]
+        else:
+            ids = [list(p) for p in prompt_token_ids]
+            texts = [None] * len(ids)
+        params = self._params_list(sampling_params, len(ids))
+        # Validate everything before adding anything: a bad prompt fails alone and early.
+        for tok, p in zip(ids, params):
+            self.core.resolve_max_tokens(len(tok), p)
+        rids = [self._add(t, tok, p) for t, tok, p in zip(texts, ids, params)]
+        return self._run(rids, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[list[dict]] | list[dict],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [
+            self.apply_chat_template(c, chat_template, add_generation_prompt)
+            for c in conversations
+        ]
+        # The template already holds the special tokens: encode without adding BOS again.
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        params = self._params_list(sampling_params, len(ids))
+        for tok, p in zip(ids, params):
+            self.core.resolve_max_tokens(len(tok), p)
+        rids = [self._add(t, tok, p) for t, tok, p in zip(prompts, ids, params)]
+        return self._run(rids, use_tqdm)
+
+    def apply_chat_template(
+        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt=True
+    ) -> str:
+        tok = self._need_tokenizer()
+        template = chat_template or self.config.chat_template
+        if template and Path(template).is_file():
+            template = Path(template).read_text()
+        if not template and not tok.chat_template:
+            raise ValueError(
+                f"model {self.config.model} has no chat template; pass chat_template "
+                "(--chat-template FILE)"
+            )
+        return tok.apply_chat_template(
+            messages, chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def memory_stats(self) -> dict:
+        return self.core.memory_stats()
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model} has no tokenizer; pass token ids")
+        return self.tokenizer
+
+    def _encode(self, text: str) -> list[int]:
+        if not isinstance(text, str) or not text:
+            raise ValueError("the prompt is empty")
+        return self._need_tokenizer().encode(text)
+
+    @staticmethod
+    def _params_list(sp: SamplingParams | list | None, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        if len(sp) != n:
+            raise ValueError(f"{len(sp)} sampling_params for {n} prompts")
+        return list(sp)
+
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+        rid = str(next(self._ids))
+        core_ids = [f"{rid}-{i}" for i in range(params.n)]
+        self.processor.add_request(rid, text, ids, params, core_ids, final_only=True)
+        for i, cid in enumerate(core_ids):
+            self.core.add_request(cid, ids, child_params(params, i))
+        return rid
+
+    def _run(self, rids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm or (use_tqdm is None and len(rids) > 1):
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(rids), desc="generate", unit="req", leave=False)
+        try:
+            while len(done) < len(rids):
+                outs, to_abort = self.processor.process(self.core.step())
+                if to_abort:
+                    self.core.abort_requests(to_abort)
+                for out in outs:
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not self.core.has_unfinished() and len(done) < len(rids):
+                    raise RuntimeError("engine stopped with requests unfinished")
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in rids]

@@ -1,0 +1,53 @@
+"""ModelRunner: turns the scheduler's CPU-side batch into a `ForwardBatch` (the one
+conversion) and runs the model. Nothing here decides what runs; it only executes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from swaserve.attention.base import AttentionBackend, AttentionInputs
+from swaserve.engine.forward_batch import ForwardBatch
+from swaserve.engine.scheduler import ScheduledBatch
+from swaserve.memory.kv_pool import KVPool
+from swaserve.memory.manager import MemoryManager
+
+
+class ModelRunner:
+    def __init__(
+        self, model: nn.Module, kv: KVPool, backend: AttentionBackend, device: torch.device
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.device = device
+
+    def prepare(self, batch: ScheduledBatch, memory: MemoryManager) -> ForwardBatch:
+        ids: list[int] = []
+        pos: list[int] = []
+        ctx_lens: list[int] = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            ctx = req.num_computed_tokens
+            ids += req.tokens(ctx, ctx + n)
+            pos += range(ctx, ctx + n)
+            ctx_lens.append(ctx)
+        inputs = AttentionInputs(
+            query_lens=list(batch.num_new_tokens),
+            context_lens=ctx_lens,
+            page_tables=[memory.page_table(r.request_id) for r in batch.requests],
+        )
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
+            positions=torch.tensor(pos, dtype=torch.int64).to(self.device, non_blocking=True),
+            backend=self.backend,
+            metadata=self.backend.prepare(inputs),
+            kv=self.kv,
+        )
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).float()

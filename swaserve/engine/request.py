@@ -1,0 +1,58 @@
+"""CPU-side request state for the scheduler: token counts, not phases (DESIGN §1).
+
+`num_computed_tokens` tokens have K/V in the pool; `num_tokens` are known (prompt + outputs).
+A step computes some of the difference; when it reaches `num_tokens` the request samples one
+more token. Chunked prefill, decode and recompute after preemption all follow from that.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swaserve.outputs import Logprob
+from swaserve.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: never past the context
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit of the first admission
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    prompt_logprobs: list[Logprob | None] | None = None  # built chunk by chunk
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Known token ids at positions [start, end)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

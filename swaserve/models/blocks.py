@@ -1,0 +1,206 @@
+"""Shared model blocks: norm, rotary embedding, MLP, paged attention layer.
+
+Modules keep Hugging Face parameter names so a checkpoint's state dict maps 1:1
+(`swaserve.weights.loader` checks that nothing is missing or unexpected).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from swaserve.engine.forward_batch import ForwardBatch
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. Gemma scales by (1 + w) (`unit_offset`), Llama by w."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * xf.to(dtype)
+
+
+def _rope_params(config: Any, layer_type: str | None) -> dict:
+    """The rope settings of one layer kind, from transformers v5 `rope_parameters` (possibly
+    keyed by layer type) or the v4 `rope_theta` / `rope_scaling` fields."""
+    rp = getattr(config, "rope_parameters", None)
+    if isinstance(rp, dict) and layer_type in rp and isinstance(rp[layer_type], dict):
+        return dict(rp[layer_type])
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return dict(rp)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return params
+
+
+def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None) -> torch.Tensor:
+    """Inverse frequencies for rotary embedding: default, linear and llama3 scaling."""
+    p = _rope_params(config, layer_type)
+    base = float(p["rope_theta"])
+    dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+    inv = 1.0 / (base ** (steps / dim))
+    kind = p.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / float(p["factor"])
+    elif kind == "llama3":
+        factor = float(p["factor"])
+        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_len = float(p["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+    return inv
+
+
+class Rotary(nn.Module):
+    """Neox-style rotary embedding (rotate_half), as Hugging Face applies it."""
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        # Kept on the host in float32: the loader builds models on the meta device and restores
+        # this buffer after materialising (`restore_buffers`), never in a low-precision dtype.
+        self.inv_freq_host = inv_freq.float().cpu()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def restore_buffers(self, device: torch.device) -> None:
+        self.inv_freq = self.inv_freq_host.to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(q.dtype)[:, None, :]
+        sin = emb.sin().to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out, xp), dim=-1) if xp.numel() else out
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}")
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a backend needs to know about one attention layer."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int | None = None  # query q sees key k iff q - window < k <= q
+    softcap: float | None = None
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections, optional per-head q/k norms, rotary, then the paged backend."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        hidden: int,
+        rotary: Rotary,
+        bias: bool = False,
+        qk_norm_eps: float | None = None,
+        qk_norm_unit_offset: bool = False,
+        sinks: bool = False,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(hidden, h * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, kvh * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, kvh * d, bias=bias)
+        self.o_proj = nn.Linear(h * d, hidden, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(d, qk_norm_eps, qk_norm_unit_offset)
+            self.k_norm = RMSNorm(d, qk_norm_eps, qk_norm_unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.zeros(h)) if sinks else None
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        s = self.spec
+        q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = fb.backend.forward(q, k, v, s, self.sinks, fb)
+        return self.o_proj(out.reshape(t, s.num_heads * s.head_dim))
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Per layer: None for full attention, else the sliding window (from `layer_types`,
+    or `sliding_window` on every layer for Mistral-style configs)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    if window and getattr(config, "use_sliding_window", True):
+        return [window] * n
+    return [None] * n
+
+
+def layer_type_names(config: Any) -> list[str]:
+    return [
+        "full_attention" if w is None else "sliding_attention" for w in layer_windows(config)
+    ]
+
+
+def head_dim_of(config: Any) -> int:
+    hd = getattr(config, "head_dim", None)
+    return hd if hd else config.hidden_size // config.num_attention_heads

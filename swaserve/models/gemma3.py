@@ -1,0 +1,104 @@
+"""Gemma 3 text: sliding/full `layer_types` with per-kind rope, q/k norms, sandwich norms,
+`query_pre_attn_scalar`, (1 + w) RMSNorm, tied embeddings scaled by sqrt(hidden), and
+soft-capping of the final logits when configured (attention soft-capping: see below)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from swaserve.engine.forward_batch import ForwardBatch
+from swaserve.models.blocks import (
+    Attention,
+    AttentionSpec,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    head_dim_of,
+    layer_type_names,
+    layer_windows,
+    rope_inv_freq,
+)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, window: int | None, layer_type: str) -> None:
+        super().__init__()
+        hd = head_dim_of(config)
+        eps = config.rms_norm_eps
+        spec = AttentionSpec(
+            layer_id=layer_id,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=hd,
+            scale=config.query_pre_attn_scalar**-0.5,
+            window=window,
+            # Gemma 3 keeps `attn_logit_softcapping` in its config but the reference
+            # implementation never applies it (Gemma 2 did); match the reference.
+            softcap=None,
+        )
+        rotary = Rotary(rope_inv_freq(config, hd, layer_type))
+        self.self_attn = Attention(
+            spec,
+            config.hidden_size,
+            rotary,
+            bias=getattr(config, "attention_bias", False),
+            qk_norm_eps=eps,
+            qk_norm_unit_offset=True,
+        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(h, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        a = self.self_attn(positions, self.input_layernorm(h), fb)
+        h = h + self.post_attention_layernorm(a)
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        return h + self.post_feedforward_layernorm(m)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        types = layer_type_names(config)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, w, types[i])
+            for i, w in enumerate(layer_windows(config))
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        emb = self.embed_tokens(fb.input_ids)
+        # As Hugging Face: the scale is rounded to the weights' dtype before multiplying.
+        h = emb * torch.tensor(self.embed_scale, dtype=emb.dtype)
+        for layer in self.layers:
+            h = layer(fb.positions, h, fb)
+        return self.norm(h)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        logits = torch.nn.functional.linear(hidden, w)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

@@ -1,0 +1,92 @@
+"""Llama family (SmolLM2, Llama 3): pre-norm decoder, rotary, SiLU-gated MLP.
+
+Qwen3 and Mistral reuse this file's layer with small switches (see qwen3.py, mistral.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from swaserve.engine.forward_batch import ForwardBatch
+from swaserve.models.blocks import (
+    Attention,
+    AttentionSpec,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    head_dim_of,
+    layer_windows,
+    rope_inv_freq,
+)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, window: int | None, qk_norm: bool) -> None:
+        super().__init__()
+        hd = head_dim_of(config)
+        spec = AttentionSpec(
+            layer_id=layer_id,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=hd,
+            scale=hd**-0.5,
+            window=window,
+        )
+        rotary = Rotary(rope_inv_freq(config, hd, None))
+        self.self_attn = Attention(
+            spec,
+            config.hidden_size,
+            rotary,
+            bias=getattr(config, "attention_bias", False),
+            qk_norm_eps=config.rms_norm_eps if qk_norm else None,
+        )
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=getattr(config, "mlp_bias", False),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), fb)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qk_norm: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, w, qk_norm) for i, w in enumerate(layer_windows(config))
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(fb.input_ids)
+        for layer in self.layers:
+            h = layer(fb.positions, h, fb)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, qk_norm=self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w)

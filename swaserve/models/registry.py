@@ -1,0 +1,38 @@
+"""Lazy registry: Hugging Face `architectures` name -> model class (imported on first use)."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("swaserve.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("swaserve.models.mistral", "MistralForCausalLM"),
+    "Qwen3ForCausalLM": ("swaserve.models.qwen3", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("swaserve.models.gemma3", "Gemma3ForCausalLM"),
+}
+# Text-only configs saved without `architectures` still name their model_type.
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(config: object) -> type[nn.Module]:
+    archs = list(getattr(config, "architectures", None) or [])
+    mt = _MODEL_TYPES.get(getattr(config, "model_type", ""))
+    for name in archs + ([mt] if mt else []):
+        if name in _MODELS:
+            module, cls = _MODELS[name]
+            return getattr(importlib.import_module(module), cls)
+    raise ValueError(
+        f"unsupported architecture {archs or getattr(config, 'model_type', None)}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )

@@ -1,0 +1,62 @@
+"""What the engine returns to users (names from DESIGN §11) and what the core emits per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One position's logprobs: the chosen token and the top alternatives (raw log-softmax)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the chosen token in the distribution
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that hit
+    logprobs: list[Logprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprob | None] | None = None  # first position has none
+    finished: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one core step. Plain data: it crosses the IPC boundary as msgpack.
+
+    `request_id` is the core's id (one per sampled sequence: a request with n=2 is two core
+    requests). `finish_reason` is set by the core for stop token ids, max_tokens, the context
+    limit and aborts; stop strings are found later by the output processor.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    new_logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None  # sent once, with the first token
+    num_cached_tokens: int = 0

@@ -1,0 +1,31 @@
+"""Test helpers shared by several test files (no fixtures here: see conftest.py)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def engine_prompt_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
+    """Per-position logits of one prompt computed through the engine's real path (scheduler,
+    chunked prefill, paged KV, window retirement): the runner's hidden states of every step are
+    recorded and projected by the model's own head."""
+    core = engine.core
+    assert not core.has_unfinished()
+    captured: list[torch.Tensor] = []
+    forward = core.runner.forward
+
+    def record(fb):
+        h = forward(fb)
+        captured.append(h)
+        return h
+
+    core.runner.forward = record
+    try:
+        from swaserve import SamplingParams
+
+        engine.generate(prompt_token_ids=[prompt_ids], sampling_params=SamplingParams(
+            max_tokens=1, temperature=0))
+    finally:
+        core.runner.forward = forward
+    hidden = torch.cat(captured)[: len(prompt_ids)]
+    return core.runner.logits(hidden)
