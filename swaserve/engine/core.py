@@ -80,9 +80,9 @@ class EngineCore:
 
     def _kv_bytes(self) -> float:
         if self.config.kv_cache_gb is not None:
-            return self.config.kv_cache_gb * 1e9
+            return self.config.kv_cache_gb * 2**30
         if self.device.type != "cuda":
-            return 2e9
+            return 2 * 2**30
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
         # Leave room for activations of one full step (a rough bound until the profiling
