@@ -42,6 +42,7 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # total, for metrics and tests
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -116,6 +117,7 @@ class Scheduler:
         self.memory.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         batch.preempted.append(req)

@@ -1,0 +1,148 @@
+"""SamplingParams: one request's decoding knobs, with vLLM's names, defaults and limits.
+
+Validation happens once, in `__post_init__`, and raises `ValueError` naming the field and
+the allowed range; the server turns that into a 400. Everything downstream (sampler,
+scheduler, output processor) may trust the values. `to_dict`/`from_dict` use plain types
+only, because the params cross the msgpack IPC boundary between server and core.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# Below this temperature a request is treated as greedy (vLLM's _SAMPLING_EPS): dividing
+# logits by a tiny temperature only risks inf/nan for the same answer as argmax.
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what both torch.Generator and msgpack accept
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off (-1 is normalised to 0)
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: str | list[str] | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
+    max_tokens: int | None = None  # None = the rest of the context (the engine decides)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k >= 0 = chosen token plus top-k alternatives
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_real("temperature", 0.0, math.inf, "must be >= 0")
+        self._check_real("top_p", 0.0, 1.0, "must be in (0, 1]", low_open=True)
+        self._check_real("min_p", 0.0, 1.0, "must be in [0, 1]")
+        self._check_real("frequency_penalty", -2.0, 2.0, "must be in [-2, 2]")
+        self._check_real("presence_penalty", -2.0, 2.0, "must be in [-2, 2]")
+        self._check_real("repetition_penalty", 0.0, math.inf, "must be > 0", low_open=True)
+
+        self._check_int("n", 1, None, "must be >= 1")
+        self._check_int("top_k", -1, None, "must be -1 or 0 (off) or >= 1")
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check_int("min_tokens", 0, None, "must be >= 0")
+        if self.max_tokens is not None:
+            self._check_int("max_tokens", 1, None, "must be >= 1 or None")
+            if self.min_tokens > self.max_tokens:
+                raise ValueError(
+                    f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                    f"and max_tokens={self.max_tokens}"
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                self._check_int(name, 0, MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None")
+        if self.seed is not None:
+            self._check_int("seed", _SEED_MIN, _SEED_MAX, "must be an integer in [-2**63, 2**64)")
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    # ---- validation helpers -------------------------------------------------------------
+
+    def _check_real(self, name: str, lo: float, hi: float, rule: str, low_open=False) -> None:
+        x = getattr(self, name)
+        # NaN and inf fail every check.
+        ok = _is_real(x) and math.isfinite(x) and (lo < x if low_open else lo <= x) and x <= hi
+        if not ok:
+            raise ValueError(f"{name} {rule}, got {x!r}")
+        setattr(self, name, float(x))
+
+    def _check_int(self, name: str, lo: int, hi: int | None, rule: str) -> None:
+        x = getattr(self, name)
+        if not (_is_int(x) and x >= lo and (hi is None or x <= hi)):
+            raise ValueError(f"{name} {rule}, got {x!r}")
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        return list(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers or None, got {ids!r}")
+        for t in ids:
+            if not (_is_int(t) and t >= 0):
+                raise ValueError(f"stop_token_ids must be integers >= 0, got {t!r}")
+        return list(ids)
+
+    # ---- derived -----------------------------------------------------------------------
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding: temperature (effectively) 0, or top_k == 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    # ---- IPC -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (int, float, bool, str, None, list), safe for msgpack."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown SamplingParams fields: {sorted(unknown)}")
+        return cls(**d)

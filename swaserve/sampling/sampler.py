@@ -1,0 +1,371 @@
+"""The sampler: one batch of logits rows in, one token per row out (plus raw logprobs).
+
+Processing order (vLLM's):
+
+    raw logits ──► logprobs (raw log_softmax, see logprobs.py)
+        │
+        ├─ repetition penalty   (prompt + output tokens; HF: divide positive, multiply negative)
+        ├─ frequency/presence   (output tokens; OpenAI: logit -= f * count + p * [count > 0])
+        ├─ min_tokens           (eos / stop ids at -inf while fewer than min_tokens outputs)
+        │                        ──► greedy rows: argmax here
+        ├─ temperature
+        ├─ top-k, top-p, min-p  (masked tokens at -inf)
+        └─ exponential race     argmax(probs / q), q ~ Exp(1)   ──► random rows
+
+Per-row parameters become [B] device tensors in one place (`SamplingTensors.from_rows`);
+every step after that is vectorised over rows. The only per-row loop on the device is the
+seeded noise: a row with its own generator draws its [V] noise from that generator alone,
+so the same seed and params give the same tokens whatever else is in the batch (DESIGN §7).
+
+Invariant: nothing here reads a device tensor back to the host (.item(), .tolist(), .cpu(),
+boolean indexing); every branch is decided from the Python-side params. The caller makes
+one copy of the `SamplerOutput`.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from swaserve.sampling.logprobs import compute_logprobs
+from swaserve.sampling.params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits = one sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # per-request generator when params.seed is set
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor  # [B] int64, on the logits' device
+    logprobs: Tensor | None = None  # [B] chosen-token logprob (raw log_softmax), if any row asks
+    ranks: Tensor | None = None  # [B] int64, 1-based
+    topk_ids: Tensor | None = None  # [B, K], K = max logprobs over rows asking
+    topk_logprobs: Tensor | None = None  # [B, K]
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """The per-request generator for a seeded request, on the device the logits live on."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+@dataclass
+class SamplingTensors:
+    """One batch's per-row params as device tensors, built once per step from the rows.
+
+    Greedy rows carry neutral values (temperature 1, no top-k/top-p/min-p): they are
+    argmax'ed before temperature, so those values only keep the vectorised math finite.
+    Fields that no row uses are None and the matching step is skipped.
+    """
+
+    greedy: Tensor  # [B] bool
+    temperature: Tensor  # [B] float32
+    top_k: Tensor | None  # [B] int64 in [1, V]; V = off
+    # Largest k over the rows when it bounds every row's kept set (each row using top-p
+    # also uses top-k), so a partial topk can replace the full sort; None otherwise.
+    max_top_k: int | None
+    top_p: Tensor | None  # [B] float32 in (0, 1]; 1 = off
+    min_p: Tensor | None  # [B] float32 in [0, 1]; 0 = off
+    repetition_penalty: Tensor | None  # [B] float32; 1 = off
+    repetition_mask: Tensor | None  # [B, V] bool: token seen in prompt or output
+    frequency_penalty: Tensor | None  # [B] float32
+    presence_penalty: Tensor | None  # [B] float32
+    output_counts: Tensor | None  # [B, V] float32: occurrences in the output so far
+    min_tokens_fill: Tensor | None  # flat indices into logits.view(-1) to set to -inf
+    seeded_rows: list[tuple[int, torch.Generator]]  # random rows with their own generator
+    any_unseeded_random: bool
+    all_greedy: bool
+    any_greedy: bool
+    max_num_logprobs: int | None  # None: no row asks for logprobs
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row is argmax of the raw logits: no penalties, no min_tokens masking."""
+        return (
+            self.all_greedy
+            and self.repetition_penalty is None
+            and self.frequency_penalty is None
+            and self.min_tokens_fill is None
+        )
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: Iterable[int] = (),
+    ) -> SamplingTensors:
+        V = vocab_size
+        eos = set(eos_token_ids)
+        greedy, temps, top_ks, top_ps, min_ps = [], [], [], [], []
+        seeded_rows: list[tuple[int, torch.Generator]] = []
+        any_unseeded_random = False
+        rep_rows, freq_pres_rows = [], []
+        min_tokens_fill: list[int] = []
+        max_num_logprobs: int | None = None
+        for i, row in enumerate(rows):
+            p = row.params
+            g = p.greedy
+            greedy.append(g)
+            temps.append(1.0 if g else p.temperature)
+            top_ks.append(V if g or p.top_k == 0 else min(p.top_k, V))
+            top_ps.append(1.0 if g else p.top_p)
+            min_ps.append(0.0 if g else p.min_p)
+            if not g:
+                if p.seed is not None:
+                    if row.generator is None:
+                        raise ValueError(f"row {i} has seed={p.seed} but no generator")
+                    seeded_rows.append((i, row.generator))
+                else:
+                    any_unseeded_random = True
+            if p.repetition_penalty != 1.0:
+                rep_rows.append(i)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                freq_pres_rows.append(i)
+            if len(row.output_token_ids) < p.min_tokens:
+                banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | eos
+                min_tokens_fill.extend(i * V + t for t in sorted(banned) if 0 <= t < V)
+            if p.logprobs is not None:
+                max_num_logprobs = max(max_num_logprobs or 0, p.logprobs)
+
+        B = len(rows)
+
+        def f32(xs: list[float]) -> Tensor:
+            return _to_device(torch.tensor(xs, dtype=torch.float32), device)
+
+        repetition_penalty = repetition_mask = None
+        if rep_rows:
+            repetition_penalty = f32([r.params.repetition_penalty for r in rows])
+            seen = [(i, rows[i].prompt_token_ids) for i in rep_rows]
+            seen += [(i, rows[i].output_token_ids) for i in rep_rows]
+            repetition_mask = _token_counts(seen, B, V, device) > 0
+        frequency_penalty = presence_penalty = output_counts = None
+        if freq_pres_rows:
+            frequency_penalty = f32([r.params.frequency_penalty for r in rows])
+            presence_penalty = f32([r.params.presence_penalty for r in rows])
+            outputs = [(i, rows[i].output_token_ids) for i in freq_pres_rows]
+            output_counts = _token_counts(outputs, B, V, device)
+
+        return cls(
+            greedy=_to_device(torch.tensor(greedy, dtype=torch.bool), device),
+            temperature=f32(temps),
+            top_k=(
+                _to_device(torch.tensor(top_ks, dtype=torch.long), device)
+                if any(k < V for k in top_ks)
+                else None
+            ),
+            max_top_k=(
+                max((k for k in top_ks if k < V), default=V)
+                if all(k < V for k, p in zip(top_ks, top_ps) if p < 1.0)
+                else None
+            ),
+            top_p=f32(top_ps) if any(p < 1.0 for p in top_ps) else None,
+            min_p=f32(min_ps) if any(p > 0.0 for p in min_ps) else None,
+            repetition_penalty=repetition_penalty,
+            repetition_mask=repetition_mask,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            output_counts=output_counts,
+            min_tokens_fill=(
+                _to_device(torch.tensor(min_tokens_fill, dtype=torch.long), device)
+                if min_tokens_fill
+                else None
+            ),
+            seeded_rows=seeded_rows,
+            any_unseeded_random=any_unseeded_random,
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            max_num_logprobs=max_num_logprobs,
+        )
+
+
+def _to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """Host tensor to `device` without a stream sync. The source is pageable memory, which
+    CUDA stages before cudaMemcpyAsync returns, so the host may drop it right away; a
+    blocking copy would instead wait for the whole queued forward pass."""
+    return t.to(device, non_blocking=True)
+
+
+def _token_counts(
+    row_tokens: Sequence[tuple[int, Sequence[int]]],
+    num_rows: int,
+    vocab_size: int,
+    device: torch.device | str,
+) -> Tensor:
+    """[num_rows, V] float32 occurrence counts of each (row, token list) pair's tokens.
+
+    The host only concatenates the lists (through `array`, ~10x faster than torch.tensor on
+    a list) and copies them once; the flat index row * V + token is built on the device and
+    scatter-added there (bincount would sync on CUDA to size its output). Ids outside
+    [0, V) go to one spill slot past the end, dropped, so they never touch a neighbour row.
+    """
+    V = vocab_size
+    flat = array.array("q")
+    row_ids: list[int] = []
+    lengths: list[int] = []
+    for row, tokens in row_tokens:
+        flat.extend(tokens)
+        row_ids.append(row)
+        lengths.append(len(tokens))
+    counts = torch.zeros(num_rows * V + 1, dtype=torch.float32, device=device)
+    if flat:
+        tok = _to_device(torch.frombuffer(flat, dtype=torch.int64), device)
+        row = torch.repeat_interleave(
+            _to_device(torch.tensor(row_ids), device),
+            _to_device(torch.tensor(lengths), device),
+            output_size=len(flat),  # known here: no sync to size the output
+        )
+        idx = torch.where((tok >= 0) & (tok < V), row * V + tok, num_rows * V)
+        counts.index_add_(0, idx, torch.ones(idx.shape[0], dtype=torch.float32, device=device))
+    return counts[:-1].view(num_rows, V)
+
+
+def apply_penalties(logits: Tensor, t: SamplingTensors) -> None:
+    """Repetition, frequency and presence penalties and min_tokens masking, in place."""
+    if t.repetition_penalty is not None:
+        rp = t.repetition_penalty.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits.copy_(torch.where(t.repetition_mask, penalised, logits))
+    if t.frequency_penalty is not None:
+        counts = t.output_counts
+        logits -= t.frequency_penalty.unsqueeze(1) * counts
+        logits -= t.presence_penalty.unsqueeze(1) * (counts > 0)
+    if t.min_tokens_fill is not None:
+        logits.view(-1).index_fill_(0, t.min_tokens_fill, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, max_top_k: int | None = None
+) -> None:
+    """Mask (to -inf, in place) tokens outside each row's top-k, then outside its top-p.
+
+    top_k [B] int64 in [1, V] (V = off). top_p [B] in (0, 1] (1 = off): keeps the smallest
+    best-first prefix of the top-k-renormalised distribution whose mass reaches p, i.e. a
+    token survives iff the mass sorted before it is < p. The best token always survives.
+
+    Both rules keep a best-first prefix, so each row reduces to one cutoff logit and the mask
+    is `logits < cutoff`: tokens tied with the cutoff are all kept (top-k too may keep more
+    than k then), and no scatter back from sorted order is needed.
+
+    Candidates, best first: a full sort of the vocabulary, or, when `max_top_k` is given, a
+    partial topk of that many. The caller passes max_top_k only when it bounds every row's
+    kept set: every row using top-p also uses top-k, and max_top_k >= each such k.
+    """
+    if top_k is None and top_p is None:
+        return
+    V = logits.shape[-1]
+    if max_top_k is not None and max_top_k < V:
+        cand = logits.topk(max_top_k, dim=-1).values  # [B, M], best first
+    else:
+        cand = logits.sort(dim=-1, descending=True).values  # [B, V]
+    B, M = cand.shape
+    drop = torch.zeros_like(cand, dtype=torch.bool)
+    untouched = torch.ones(B, dtype=torch.bool, device=logits.device)
+    if top_k is not None:
+        pos = torch.arange(M, device=logits.device)
+        drop |= pos.unsqueeze(0) >= top_k.unsqueeze(1)
+        untouched &= top_k >= V
+    if top_p is not None:
+        probs = cand.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix sum, best first
+        drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        untouched &= top_p >= 1.0
+    # Kept = a non-empty prefix (position 0 survives: k >= 1 and mass_before[0] = 0 < p).
+    num_kept = (~drop).sum(dim=-1, keepdim=True)
+    cutoff = cand.gather(1, num_kept - 1)
+    # Rows with neither filter keep everything (with a partial topk, cand would cut them).
+    cutoff.masked_fill_(untouched.unsqueeze(1), float("-inf"))
+    logits.masked_fill_(logits < cutoff, float("-inf"))
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor | None) -> None:
+    """Mask (in place) tokens with prob < min_p * max prob, in logit space.
+
+    p_i / p_max = exp(l_i - l_max), so the rule is l_i < l_max + log(min_p); min_p == 0 gives
+    log 0 = -inf and keeps everything. The ratio does not change under renormalisation, so
+    it is the same before or after top-k/top-p.
+    """
+    if min_p is None:
+        return
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+class Sampler:
+    """Samples one token per row of logits; see the module docstring for the order.
+
+    `eos_token_ids` are masked, with the request's stop_token_ids, while a request has fewer
+    than min_tokens outputs (unless it sets ignore_eos). Rows without a seed share one
+    default generator, seeded from `seed`; with seed None they use torch's global RNG.
+    """
+
+    def __init__(self, eos_token_ids: Iterable[int] = (), seed: int | None = None) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _default_generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        if device not in self._generators:
+            self._generators[device] = make_generator(self.seed, device)
+        return self._generators[device]
+
+    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        t = SamplingTensors.from_rows(rows, logits.shape[1], logits.device, self.eos_token_ids)
+
+        if t.plain_greedy:
+            token_ids = logits.argmax(dim=-1)  # fast path: no copy, no softmax, no sort
+        else:
+            # A contiguous float32 copy: the raw logits stay intact for logprobs, and the
+            # min_tokens fill indexes the flat view.
+            x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            apply_penalties(x, t)
+            if t.all_greedy:
+                token_ids = x.argmax(dim=-1)
+            else:
+                # Greedy rows: argmax before temperature and masking (neither moves it).
+                greedy_ids = x.argmax(dim=-1) if t.any_greedy else None
+                x.div_(t.temperature.unsqueeze(1))
+                apply_top_k_top_p(x, t.top_k, t.top_p, t.max_top_k)
+                apply_min_p(x, t.min_p)
+                token_ids = self._exponential_race(x, t)
+                if greedy_ids is not None:
+                    token_ids = torch.where(t.greedy, greedy_ids, token_ids)
+
+        out = SamplerOutput(token_ids=token_ids)
+        if t.max_num_logprobs is not None:
+            out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs = compute_logprobs(
+                logits, token_ids, t.max_num_logprobs
+            )
+        return out
+
+    def _exponential_race(self, logits: Tensor, t: SamplingTensors) -> Tensor:
+        """argmax(probs / q) with q ~ Exp(1): an exact sample from probs, one noise draw per row.
+
+        Seeded rows draw their [V] noise from their own generator only, so their tokens do not
+        depend on the batch. Masked tokens have prob exactly 0 and q > 0 after the clamp, so
+        they score 0 and never beat the best unmasked token (whose score is > 0).
+        """
+        probs = logits.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        if t.any_unseeded_random:
+            q.exponential_(generator=self._default_generator(probs.device))
+        for i, gen in t.seeded_rows:
+            q[i].exponential_(generator=gen)
+        q.clamp_min_(torch.finfo(q.dtype).tiny)
+        return probs.div_(q).argmax(dim=-1)
