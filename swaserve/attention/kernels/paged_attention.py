@@ -1,0 +1,718 @@
+"""Triton kernels over the paged KV pool: ragged paged attention, the K/V store, page copies.
+
+One attention kernel covers prefill chunks over a cached prefix, decode and both mixed in one
+launch (DESIGN §5). Request i owns the query rows `[query_start_loc[i], query_start_loc[i+1])`
+at positions `[ctx_i, seq_lens[i])` with `ctx_i = seq_lens[i] - q_len_i`, and attends causally,
+within the layer's window, to keys `[0, seq_lens[i])` read through its block table.
+
+Work decomposition (one program = one query block x one KV head [x one key split]):
+
+    rows of a program tile (BLOCK_M = BLOCK_Q * G_PAD):
+        row r -> query  q_block * BLOCK_Q + r // G_PAD  of its request
+                 head   kv_head * G + r % G_PAD        (rows with r % G_PAD >= G are padding)
+    so the G query heads of one KV head share every K/V tile load (GQA).
+
+    query blocks of request i:  [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1)
+        an upper bound on ceil(q_len / BLOCK_Q) blocks; surplus programs return at once and a
+        program finds its request by binary search over qsl (no host-side block list, so the
+        grid depends only on T and B).
+
+    keys of a query block with positions [first, last]:
+        lo = max(0, first - window + 1) (0 without window)       hi = last
+        tiles t in [lo // BLOCK_N, hi // BLOCK_N], key k = t * BLOCK_N + j, loaded iff
+        lo <= k <= hi: block-table entries and pages outside the window or past the request's
+        last key are never read (retired table slots hold the NULL page 0 and stay untouched).
+        Tiles that every row sees whole (keys in [last - window + 1, first]) run without any
+        mask; only the window-edge and causal-diagonal tiles compute masks.
+
+Scores live in the log2 domain (`exp2`); the running max starts at -1e30 (finite), so a row
+whose first tiles are fully masked keeps alpha = 1, p = 0 and never produces NaN. Sinks (an
+extra logit per head with no value) seed the softmax: m = sink, l = 1.
+
+Split-KV (flash-decoding): with NUM_SPLITS > 1 each program takes a contiguous share of its
+block's key tiles and writes an unnormalised partial (acc, m, l) per row; `_reduce_splits`
+merges them (and adds the sink term once). Chosen by `choose_num_splits`.
+
+FP8 KV (float8_e4m3fn): the pool stores round(x / scale); loads convert to the dot dtype and
+the per-layer scales are folded into the score scale (k_scale) and the output (v_scale).
+
+Under TRITON_INTERPRET=1 (CPU tests) the interpreter cannot multiply bf16/fp16 tiles (they are
+raw uint16 there), so dots run in float32 (`DOT_F32`); on GPU they run in the input dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 256  # a split below this spends more on the merge than it saves
+CPU_NUM_SMS = 132  # H200: on CPU (interpreter) the heuristics behave as on the target GPU
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---- configuration ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int  # rows per program: block_q queries x g_pad heads
+    block_q: int
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+def attention_config(head_dim: int, group: int, max_query_len: int) -> AttentionConfig:
+    """Tile sizes for the GPU, used unchanged on CPU.
+
+    BLOCK_M grows with the longest query run of the batch (16 rows for decode, up to 128 for
+    prefill); BLOCK_N is 64 keys (4 pages of 16). Measured on H200, bf16, H32/Hkv8, D128: causal
+    prefill of 8k tokens at ~350 TFLOP/s (SDPA flash: ~550), decode B=64 x 4k keys reading K/V at
+    ~3.9 TB/s; 8 warps and 2 stages beat 4 warps or 3 stages; at D=256 (H8/Hkv4) 128x64 gave
+    245 TFLOP/s against 194 for 128x32. (`head_dim` is kept for per-D tuning.)"""
+    g_pad = triton.next_power_of_2(group)
+    block_m = min(128, max(16, triton.next_power_of_2(max(1, max_query_len) * g_pad)))
+    block_m = max(block_m, g_pad)
+    num_warps = 4 if block_m <= 32 else 8
+    return AttentionConfig(block_m, block_m // g_pad, 64, num_warps, num_stages=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_NUM_SMS
+
+
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_kv_len: int,
+    block_q: int,
+    num_sms: int,
+) -> int:
+    """Key splits per (query block, KV head): a power of two in [1, MAX_SPLITS].
+
+    Split only when every request is one query block (decode, short spec-decode runs) and the
+    unsplit grid fills less than four waves of SMs: aim at ~4 programs per SM (rounded up to a
+    power of two), while each split keeps at least MIN_KEYS_PER_SPLIT keys. `max_kv_len` is the
+    most keys one query block can see (the window bounds it on SWA layers). On H200, decode of
+    one 32k-key request on 8 KV heads read K/V at 0.13 TB/s unsplit, 2.4 at 32 splits and 2.6-3.2
+    at 64."""
+    if max_query_len > block_q:
+        return 1
+    programs = num_seqs * num_kv_heads
+    want = triton.cdiv(4 * num_sms, max(1, programs))
+    by_keys = max_kv_len // MIN_KEYS_PER_SPLIT
+    if want < 2 or by_keys < 2:
+        return 1
+    cap = min(MAX_SPLITS, 1 << (by_keys.bit_length() - 1))  # power of two <= by_keys
+    return min(cap, triton.next_power_of_2(want))
+
+
+# ---- attention kernel -------------------------------------------------------------------------
+
+
+@triton.jit
+def _find_seq(qsl_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """The request whose query blocks hold `block_idx` (largest i: qsl[i] // BLOCK_Q + i <= it)."""
+    left: tl.int32 = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start <= block_idx:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _attn_tile(
+    t, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window,
+    qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp, stride_ko, stride_kh, stride_vp,
+    stride_vo, stride_vh,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_FULL: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One key tile t of the online softmax: keys t * BLOCK_N + [0, BLOCK_N), read iff in
+    [lo, last]; returns the updated (m_i, l_i, acc). With MASKED False the caller guarantees
+    every row sees every key of the tile (no causal/window/bounds masks)."""
+    kpos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    off = kpos % PAGE_SIZE
+    if MASKED:
+        k_valid = (kpos >= lo) & (kpos <= last)
+        page = tl.load(bt_row + kpos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kt_mask = k_valid[None, :] & d_valid[:, None]
+        v_mask = k_valid[:, None] & d_valid[None, :]
+    else:
+        page = tl.load(bt_row + kpos // PAGE_SIZE).to(tl.int64)
+        kt_mask = d_valid[:, None]
+        v_mask = d_valid[None, :]
+    k_offs = page * stride_kp + off * stride_ko + kv_head * stride_kh
+    if D_FULL and not MASKED:
+        kt = tl.load(k_cache_ptr + k_offs[None, :] + d[:, None])
+    else:
+        kt = tl.load(k_cache_ptr + k_offs[None, :] + d[:, None], mask=kt_mask, other=0.0)
+    kt = kt.to(q.dtype)  # [D_PAD, BLOCK_N]
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+    if USE_SOFTCAP:
+        # tanh(x) = sign(x) (1 - e^{-2|x|}) / (1 + e^{-2|x|}), overflow-free
+        x = s * cap_scale
+        e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+        th = (1.0 - e) / (1.0 + e)
+        s = tl.where(x < 0, -th, th) * cap_log2
+    else:
+        s = s * qk_scale_log2
+    if MASKED:
+        visible = k_valid[None, :] & (kpos[None, :] <= qpos[:, None])
+        if USE_WINDOW:
+            visible = visible & (kpos[None, :] > qpos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v_offs = page * stride_vp + off * stride_vo + kv_head * stride_vh
+    if D_FULL and not MASKED:
+        v = tl.load(v_cache_ptr + v_offs[:, None] + d[None, :])
+    else:
+        v = tl.load(v_cache_ptr + v_offs[:, None] + d[None, :], mask=v_mask, other=0.0)
+    v = v.to(q.dtype)  # [BLOCK_N, D_PAD]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attn_tiles(
+    t_begin, t_end, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d,
+    d_valid, window, qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp, stride_ko,
+    stride_kh, stride_vp, stride_vo, stride_vh,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_FULL: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Tiles [t_begin, t_end) in order (none when t_end <= t_begin)."""
+    if INTERPRET:
+        # numpy >= 2.4 cannot turn the interpreter's 1-element scalars into `range` bounds
+        t = t_begin
+        while t < t_end:
+            m_i, l_i, acc = _attn_tile(
+                t, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d,
+                d_valid, window, qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp,
+                stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE, BLOCK_N,
+                D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
+            )
+            t += 1
+    else:
+        for t in range(t_begin, t_end):
+            m_i, l_i, acc = _attn_tile(
+                t, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d,
+                d_valid, window, qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp,
+                stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE, BLOCK_N,
+                D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
+            )
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_seqs", "window"])
+def _paged_attn_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_table_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    sinks_ptr,
+    part_acc_ptr,  # [T, H, NUM_SPLITS, D_PAD] float32 (split path only)
+    part_ml_ptr,  # [T, H, NUM_SPLITS, 2] float32: running max (log2), denominator
+    num_seqs,
+    window,
+    qk_scale_log2,  # scale * k_scale * log2(e)
+    cap_scale,  # scale * k_scale / softcap
+    cap_log2,  # softcap * log2(e)
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kp,
+    stride_ko,
+    stride_kh,
+    stride_vp,
+    stride_vo,
+    stride_vh,
+    stride_bt,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = q_block * BLOCK_Q + rows // G_PAD  # query index within the request
+    hg = rows % G_PAD
+    head = kv_head * G + hg
+    row_valid = (qi < q_len) & (hg < G)
+    d = tl.arange(0, D_PAD)
+    d_valid = d < HEAD_DIM
+
+    q_offs = (q_start + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    qpos = ctx + qi
+
+    first = ctx + q_block * BLOCK_Q
+    last = tl.minimum(first + BLOCK_Q, seq_len) - 1
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+    tile_lo = lo // BLOCK_N
+    tile_hi = last // BLOCK_N + 1
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        t_begin = tile_lo + split * per_split
+        t_end = tl.minimum(t_begin + per_split, tile_hi)
+    else:
+        t_begin = tile_lo
+        t_end = tile_hi
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS and NUM_SPLITS == 1:
+        sink = tl.load(sinks_ptr + head, mask=hg < G, other=0.0).to(tl.float32)
+        m_i = sink * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+
+    # Tiles every row of the block sees whole, run without masks: keys in
+    # [last - window + 1, first] (from 0 without window). The masked tiles before them hold the
+    # window edge, those after them the causal diagonal:
+    #   tile_lo .. masked .. full_lo .. unmasked .. full_hi .. masked .. tile_hi
+    # each intersected with this split's [t_begin, t_end).
+    full_lo = tile_lo
+    if USE_WINDOW:
+        full_lo = tl.maximum(tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N), tile_lo)
+    full_hi = tl.maximum((first + 1) // BLOCK_N, full_lo)
+
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    m_i, l_i, acc = _attn_tiles(
+        t_begin, tl.minimum(full_lo, t_end), q, qpos, lo, last, m_i, l_i, acc, bt_row,
+        k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
+        kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE,
+        BLOCK_N, HEAD_DIM == D_PAD, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, INTERPRET,
+    )
+    m_i, l_i, acc = _attn_tiles(
+        tl.maximum(full_lo, t_begin), tl.minimum(full_hi, t_end), q, qpos, lo, last, m_i,
+        l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2,
+        cap_scale, cap_log2, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo,
+        stride_vh, PAGE_SIZE, BLOCK_N, HEAD_DIM == D_PAD, False, USE_WINDOW, USE_SOFTCAP,
+        DOT_PRECISION, INTERPRET,
+    )
+    m_i, l_i, acc = _attn_tiles(
+        tl.maximum(full_hi, t_begin), t_end, q, qpos, lo, last, m_i, l_i, acc, bt_row,
+        k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
+        kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE,
+        BLOCK_N, HEAD_DIM == D_PAD, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, INTERPRET,
+    )
+
+    store_mask = row_valid[:, None] & d_valid[None, :]
+    tok = (q_start + qi).to(tl.int64)
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc * (v_scale / l_safe)[:, None]
+        o_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # partials of row (tok, head, split): contiguous [T, H, NUM_SPLITS, ...] scratch
+        part = (tok * (tl.num_programs(1) * G) + head) * NUM_SPLITS + split
+        tl.store(
+            part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc * v_scale, mask=store_mask
+        )
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits(
+    part_acc_ptr,
+    part_ml_ptr,
+    sinks_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+):
+    """Merge the NUM_SPLITS partials of one (token, head) row: out = sum_j acc_j 2^(m_j - M) / L
+    with M = max(m_j [, sink]), L = sum_j l_j 2^(m_j - M) [+ 2^(sink - M)]."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = tok * NUM_HEADS + head
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, D_PAD)
+    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
+    lsum = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
+    m_max = tl.max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(lsum * w, 0)
+    if USE_SINKS:
+        denom += tl.exp2(sink - m_max)
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + sp)[:, None] * D_PAD + d[None, :])
+    o = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(
+        out_ptr + tok * stride_ot + head * stride_oh + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Ragged paged attention; returns `[T, H, D]` in q's dtype.
+
+    q `[T, H, D]`; k_cache/v_cache `[num_pages, page_size, Hkv, D]` (last dim contiguous; bf16,
+    fp16, fp32 or float8_e4m3fn with `k_scale`/`v_scale`); block_table `[B, max_pages]` int32;
+    query_start_loc `[B + 1]` int32; seq_lens `[B]` int32 (context + new tokens). The host ints
+    `max_query_len` and `max_seq_len` pick tile sizes and splits without a device sync.
+    window 0 = full attention, softcap 0 = none, sinks `[H]` (any float dtype) or None.
+    `num_splits` None = `choose_num_splits`; an explicit value is rounded up to a power of two.
+    """
+    t, h, d = q.shape
+    num_pages, page_size, hkv, dk = k_cache.shape
+    assert dk == d and v_cache.shape == k_cache.shape and h % hkv == 0
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if t == 0 or num_seqs == 0:
+        return out
+    group = h // hkv
+    cfg = attention_config(d, group, max_query_len)
+    if num_splits is None:
+        max_kv_len = max_seq_len if window <= 0 else min(max_seq_len, window + max_query_len - 1)
+        num_splits = choose_num_splits(
+            num_seqs, hkv, max_query_len, max_kv_len, cfg.block_q, _num_sms(q.device)
+        )
+    num_splits = triton.next_power_of_2(max(1, num_splits))
+
+    d_pad = triton.next_power_of_2(d)
+    interp = _interpreting()
+    dot_f32 = interp and q.dtype != torch.float32
+    precision = "ieee" if (dot_f32 or q.dtype == torch.float32) else "tf32"
+    qk_scale = scale * k_scale
+    use_sinks = sinks is not None
+    sinks_arg = sinks.float().contiguous() if use_sinks else q  # dummy pointer when unused
+    if num_splits > 1:
+        part_acc = torch.empty((t, h, num_splits, d_pad), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((t, h, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (t // cfg.block_q + num_seqs, hkv, num_splits)
+    _paged_attn_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        sinks_arg,
+        part_acc,
+        part_ml,
+        num_seqs,
+        max(0, window),
+        qk_scale * LOG2E,
+        qk_scale / softcap if softcap else 0.0,
+        softcap * LOG2E if softcap else 0.0,
+        v_scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_table.stride(0),
+        G=group,
+        G_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        PAGE_SIZE=page_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n,
+        USE_WINDOW=window > 0,
+        USE_SOFTCAP=bool(softcap),
+        USE_SINKS=use_sinks,
+        NUM_SPLITS=num_splits,
+        DOT_F32=dot_f32,
+        DOT_PRECISION=precision,
+        INTERPRET=interp,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _reduce_splits[(t, h)](
+            part_acc,
+            part_ml,
+            sinks_arg,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=h,
+            HEAD_DIM=d,
+            D_PAD=d_pad,
+            NUM_SPLITS=num_splits,
+            USE_SINKS=use_sinks,
+            num_warps=4 if d_pad <= 128 else 8,
+        )
+    return out
+
+
+# ---- K/V store --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """Round float32 `x` (|x| <= 448) to the nearest float8_e4m3fn value, ties to even, in
+    integer arithmetic, so the final cast is exact on GPU and in the interpreter alike (the
+    interpreter's own float -> fp8 cast does not round correctly).
+
+    Normals (|x| >= 2^-6): keep 3 mantissa bits; add half an ulp (minus one, plus the kept lsb)
+    to the bits and clear the 20 dropped ones; a carry bumps the exponent.
+    Subnormals (spacing 2^-9): |x| / 2^-9 = mant * 2^(e - 14) with the 24-bit mantissa, rounded
+    to an integer by shift and remainder (shift clamped at 25, where everything rounds to 0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) << 31  # arithmetic shift: the sign bit alone (-0.0 keeps its sign)
+    ab = bits & 0x7FFFFFFF
+    normal = (ab + 0x7FFFF + ((ab >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
+    e = (ab >> 23) - 127
+    mant = (ab & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(tl.maximum(14 - e, 1), 25)
+    qv = mant >> sh
+    rem = mant & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    qv += ((rem > half) | ((rem == half) & ((qv & 1) == 1))).to(tl.int32)
+    sub = (qv.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    r = tl.where(ab < 0x3C800000, sub, normal) | sign  # 0x3C800000 == bits of 2^-6
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale,
+    v_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cp,
+    stride_co,
+    stride_ch,
+    stride_dp,
+    stride_do,
+    stride_dh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # padded token (e.g. a CUDA-graph batch): nothing to store
+        return
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    hh = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (hh < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + tok * stride_kt + hh[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * stride_vt + hh[:, None] * stride_vh + d[None, :], mask=mask)
+    if FP8:
+        # saturate at the largest finite e4m3 value (e4m3fn has no inf)
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -448.0), 448.0)
+        k = _round_to_e4m3(k)
+        v = _round_to_e4m3(v)
+    kc = k_cache_ptr + page * stride_cp + off * stride_co + hh[:, None] * stride_ch + d[None, :]
+    vc = v_cache_ptr + page * stride_dp + off * stride_do + hh[:, None] * stride_dh + d[None, :]
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Scatter k/v `[T, Hkv, D]` to flat slots `page * page_size + offset` of the layer's caches
+    `[num_pages, page_size, Hkv, D]`. An fp8 cache stores `x / scale` rounded to e4m3
+    (saturated at ±448); a negative slot skips its token."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    assert k.stride(2) == 1 and v.stride(2) == 1
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    _store_kv_kernel[(t,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        float(k_scale),
+        float(v_scale),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=hkv,
+        HEAD_DIM=d,
+        H_PAD=triton.next_power_of_2(hkv),
+        D_PAD=triton.next_power_of_2(d),
+        PAGE_SIZE=k_cache.shape[1],
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        num_warps=4,
+    )
+
+
+# ---- page copies ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _copy_pages_kernel(
+    data_ptr, src_ptr, dst_ptr, stride_plane, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr
+):
+    pair = tl.program_id(0)
+    plane = tl.program_id(1).to(tl.int64)
+    src = tl.load(src_ptr + pair).to(tl.int64)
+    dst = tl.load(dst_ptr + pair).to(tl.int64)
+    base = data_ptr + plane * stride_plane
+    for start in range(0, PAGE_ELEMS, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        mask = i < PAGE_ELEMS
+        x = tl.load(base + src * PAGE_ELEMS + i, mask=mask)
+        tl.store(base + dst * PAGE_ELEMS + i, x, mask=mask)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_pages(
+    kv: torch.Tensor, src: torch.Tensor | list[int], dst: torch.Tensor | list[int]
+) -> None:
+    """Copy whole pages `src[i] -> dst[i]` in a contiguous pool `[..., num_pages, page_size,
+    Hkv, D]` (every leading layer-slot and K/V plane). Bytes are copied as integers, so any
+    dtype (fp8 included) copies exactly. Pairs must not chain (no dst is another pair's src)."""
+    if not isinstance(src, torch.Tensor):
+        src = torch.tensor(src, dtype=torch.int64)
+    if not isinstance(dst, torch.Tensor):
+        dst = torch.tensor(dst, dtype=torch.int64)
+    n = src.numel()
+    if n == 0:
+        return
+    assert kv.is_contiguous() and dst.numel() == n
+    src = src.to(kv.device)
+    dst = dst.to(kv.device)
+    num_pages = kv.shape[-4]
+    page_elems = math.prod(kv.shape[-3:])
+    planes = math.prod(kv.shape[:-4])
+    data = kv.view(_SAME_SIZE_INT[kv.element_size()]).view(planes, num_pages * page_elems)
+    block = min(4096, triton.next_power_of_2(page_elems))
+    _copy_pages_kernel[(n, planes)](
+        data, src, dst, data.stride(0), PAGE_ELEMS=page_elems, BLOCK=block, num_warps=4
+    )
