@@ -20,11 +20,12 @@ log = logging.getLogger(__name__)
 def resolve_folder(model: str) -> Path:
     """A model name or path -> a Hugging Face folder (built-in alias, shipped config, GGUF
     file converted once, or a folder)."""
-    from swaserve.weights.builtin import resolve_model
     from swaserve.weights.loader import SHIPPED_CONFIGS, shipped_config_names
 
     if model in shipped_config_names():
         return SHIPPED_CONFIGS / model
+    from swaserve.weights.builtin import resolve_model  # imports gguf: only when needed
+
     return resolve_model(model)
 
 

@@ -43,7 +43,8 @@ def build_model(
     cls = model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config)
-    model = model.to_empty(device=device).to(dtype)
+    # Cast on meta first: the device never holds a float32 copy of the weights.
+    model = model.to(dtype).to_empty(device=device)
     if dummy:
         _init_dummy(model, seed)
     else:
