@@ -22,12 +22,13 @@ class EngineConfig:
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.85
     kv_cache_dtype: str = "auto"  # auto | fp8_e4m3
+    kv_cache_scale: float | None = None  # fp8: one given scale for every layer; None: calibrate
     attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch else
     disable_prefix_cache: bool = False
     host_cache_gb: float = 0.0
     host_cache_policy: str = "write_back"
     disk_cache_dir: str | None = None
-    cuda_graph_max_bs: int = 0
+    cuda_graph_max_bs: int = 128  # CUDA only; 0 disables
     chat_template: str | None = None
     seed: int = 0
     max_queue: int = 1024

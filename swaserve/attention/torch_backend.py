@@ -67,14 +67,10 @@ class TorchBackend(AttentionBackend):
         meta: TorchMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
         fb.kv.store(spec.layer_id, k, v, gm.slot_mapping)
-        k_cache, v_cache = fb.kv.layer_cache(spec.layer_id)
-        k_flat = k_cache.reshape(-1, spec.num_kv_heads, spec.head_dim)
-        v_flat = v_cache.reshape(-1, spec.num_kv_heads, spec.head_dim)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc
         for r in range(len(qsl) - 1):
-            keys = k_flat[gm.kv_slots[r]]
-            vals = v_flat[gm.kv_slots[r]]
+            keys, vals = fb.kv.read(spec.layer_id, gm.kv_slots[r])
             out[qsl[r] : qsl[r + 1]] = attend(
                 q[qsl[r] : qsl[r + 1]], keys, vals, gm.masks[r], spec.scale, spec.softcap, sinks
             )

@@ -39,6 +39,9 @@ class TritonMetadata:
     max_query_len: int  # host copies: tile sizes and split-KV choice need no device sync
     max_seq_len: int
     decode_only: bool  # every request has exactly one new token
+    # Fixed split-KV count (CUDA graphs: the launch must not depend on the step's lengths);
+    # None lets `paged_attention` choose from max_seq_len.
+    num_splits: int | None = None
 
 
 def _kv_scales(kv: object, layer_id: int) -> tuple[float, float]:
@@ -122,4 +125,5 @@ class TritonBackend(AttentionBackend):
             sinks=sinks,
             k_scale=k_scale,
             v_scale=v_scale,
+            num_splits=meta.num_splits,
         )

@@ -54,7 +54,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(folder, hf)
         self.layout = build_layout(layer_windows(hf))
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
-        kv_dtype = self.dtype
+        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         bytes_per_page = page_bytes(
             self.layout, config.page_size, kv_heads, head_dim, kv_dtype.itemsize
         )
@@ -62,12 +62,16 @@ class EngineCore:
         self.kv = KVPool(
             self.layout, num_pages, config.page_size, kv_heads, head_dim, kv_dtype, self.device
         )
+        if self.kv.is_fp8:
+            self._set_fp8_scales(kv_heads, head_dim)
         self.memory = MemoryManager(
             self.layout, config.page_size, num_pages, watermark_pages=len(self.layout.groups)
         )
         self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.max_num_batched_tokens)
         backend = backend_class(config.backend_name())(self.layout, config.page_size, self.device)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
+        if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
+            self._capture_graphs(backend)
         self.sampler = Sampler(eos_token_ids=sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         log.info(
@@ -77,6 +81,36 @@ class EngineCore:
             num_pages * bytes_per_page / 1e9,
             [(g.kind, g.window, len(g.layers)) for g in self.layout.groups],
         )
+
+    def _set_fp8_scales(self, kv_heads: int, head_dim: int) -> None:
+        n = self.hf_config.num_hidden_layers
+        if self.config.kv_cache_scale is not None:
+            self.kv.set_scales([self.config.kv_cache_scale] * n, [self.config.kv_cache_scale] * n)
+            return
+        from swaserve.engine.kv_calibration import calibrate_kv_scales
+
+        ks, vs = calibrate_kv_scales(
+            self.model, self.layout, self.config.page_size, kv_heads, head_dim, self.dtype,
+            self.device, self.hf_config.vocab_size, self.config.seed,
+        )
+        self.kv.set_scales(ks, vs)
+        log.info("fp8 KV scales calibrated: k %.3g..%.3g, v %.3g..%.3g",
+                 min(ks), max(ks), min(vs), max(vs))
+
+    def _capture_graphs(self, backend: Any) -> None:
+        from swaserve.attention.triton_backend import TritonBackend
+        from swaserve.engine.cuda_graph import DecodeGraphs
+
+        if not isinstance(backend, TritonBackend):
+            log.warning("CUDA graphs need the triton attention backend; running eager")
+            return
+        hf = self.hf_config
+        shape = (hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf))
+        graphs = DecodeGraphs(
+            self.model, backend, self.kv, self.config.cuda_graph_max_bs, self.max_model_len, shape
+        )
+        graphs.capture()
+        self.runner.graphs = graphs
 
     def _kv_bytes(self) -> float:
         if self.config.kv_cache_gb is not None:
@@ -150,14 +184,15 @@ class EngineCore:
         outputs = [self._aborted(r) for r in batch.rejected]
         if not batch:
             return outputs
-        fb = self.runner.prepare(batch, self.memory)
-        hidden = self.runner.forward(fb)
         samplers, rows = self._sampling_rows(batch)
-        sampled = None
-        if samplers:
-            logits = self.runner.logits(hidden[torch.tensor(rows, device=self.device)])
-            sampled = self.sampler(logits, [self._row(r) for r in samplers])
-        self._prompt_logprobs(batch, hidden)
+        logits = self.runner.decode_logits(batch, self.memory)
+        if logits is None:
+            fb = self.runner.prepare(batch, self.memory)
+            hidden = self.runner.forward(fb)
+            if samplers:
+                logits = self.runner.logits(hidden[torch.tensor(rows, device=self.device)])
+            self._prompt_logprobs(batch, hidden)
+        sampled = self.sampler(logits, [self._row(r) for r in samplers]) if samplers else None
         return outputs + self._postprocess(batch, samplers, sampled)
 
     def _sampling_rows(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:

@@ -21,6 +21,22 @@ class ModelRunner:
         self.kv = kv
         self.backend = backend
         self.device = device
+        self.graphs = None  # DecodeGraphs once captured (swaserve/engine/cuda_graph.py)
+
+    def decode_logits(self, batch: ScheduledBatch, memory: MemoryManager) -> torch.Tensor | None:
+        """Logits of a pure decode step through a captured CUDA graph, or None when the step
+        does not qualify (graphs off, a prefill chunk in the batch, or too many requests)."""
+        g = self.graphs
+        if g is None or len(batch) > g.max_bs or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        reqs = batch.requests
+        if any(r.num_computed_tokens + 1 != r.num_tokens for r in reqs):
+            return None
+        return g.run(
+            [r.tokens(r.num_computed_tokens, r.num_tokens)[0] for r in reqs],
+            [r.num_computed_tokens for r in reqs],
+            [memory.page_table(r.request_id) for r in reqs],
+        )
 
     def prepare(self, batch: ScheduledBatch, memory: MemoryManager) -> ForwardBatch:
         ids: list[int] = []

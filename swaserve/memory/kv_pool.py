@@ -3,6 +3,9 @@
 Layout `[slots_per_page, 2 (k, v), num_pages, page_size, kv_heads, head_dim]`: page id p of
 group g holds, for each layer of g, that layer's K and V of `page_size` tokens at
 `kv[layer_to_slot[layer], :, p]`. Storage only: indices and refcounts live in memory/manager.py.
+
+FP8 (`float8_e4m3fn`): each layer has a K and a V scale; the pool stores `round(x / scale)`
+saturated at +-448, and readers multiply back (the Triton kernels fold the scales in).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from swaserve.memory.groups import GroupLayout
+
+FP8_MAX = 448.0
 
 
 class KVPool:
@@ -27,21 +32,47 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.dtype = dtype
+        self.is_fp8 = dtype == torch.float8_e4m3fn
         shape = (layout.slots_per_page, 2, num_pages, page_size, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        n = len(layout.layer_to_slot)
+        self.k_scales = [1.0] * n  # per layer; 1.0 and unused unless fp8
+        self.v_scales = [1.0] * n
+
+    def set_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
+        self.k_scales, self.v_scales = list(k_scales), list(v_scales)
+
+    def layer_scales(self, layer_id: int) -> tuple[float, float]:
+        return self.k_scales[layer_id], self.v_scales[layer_id]
 
     def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each `[num_pages, page_size, kv_heads, head_dim]`."""
         slot = self.layout.layer_to_slot[layer_id]
         return self.kv[slot, 0], self.kv[slot, 1]
 
+    def _encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.is_fp8:
+            return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
+        return x.to(self.dtype)
+
     def store(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Scatter new K/V `[T, kv_heads, head_dim]` to flat slots `page * page_size + offset`."""
         k_cache, v_cache = self.layer_cache(layer_id)
-        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(self.dtype)
-        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(self.dtype)
+        ks, vs = self.layer_scales(layer_id)
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = self._encode(k, ks)
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = self._encode(v, vs)
+
+    def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[len(slots), kv_heads, head_dim]` at flat slots, dequantised to float32."""
+        k_cache, v_cache = self.layer_cache(layer_id)
+        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots].float()
+        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots].float()
+        if self.is_fp8:
+            ks, vs = self.layer_scales(layer_id)
+            k, v = k * ks, v * vs
+        return k, v
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages (every layer slot, K and V): copy-on-write of a shared page."""

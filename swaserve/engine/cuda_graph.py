@@ -1,0 +1,155 @@
+"""CUDA graphs for decode steps (`--cuda-graph-max-bs`, 0 disables): a removable layer.
+
+One graph per bucketed batch size captures model forward + logits for `bs` requests with one
+new token each. Inputs and the Triton metadata live in static device buffers that every
+replay overwrites in place:
+
+    rows [0, n)   real requests: token, position, page tables, slot, seq_len
+    rows [n, bs)  padding: slot -1 (the store kernel skips it), seq_len 1 over the NULL page
+                  (all-zero table row), so they read one finite key and write nothing
+
+The split-KV count is fixed per bucket (chosen for the longest context), because a replayed
+launch cannot change its grid. Only the Triton backend is captured; eager is the fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from swaserve.attention.kernels.paged_attention import (
+    _num_sms,
+    attention_config,
+    choose_num_splits,
+)
+from swaserve.attention.triton_backend import TritonBackend, TritonGroupMetadata, TritonMetadata
+from swaserve.engine.forward_batch import ForwardBatch
+from swaserve.memory.kv_pool import KVPool
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 16))
+    return sorted({b for b in sizes if b <= max_bs} | {max_bs})
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: TritonBackend,
+        kv: KVPool,
+        max_bs: int,
+        max_model_len: int,
+        spec_shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim)
+    ) -> None:
+        self.model, self.backend, self.kv = model, backend, kv
+        dev = backend.device
+        self.buckets = batch_buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        self.page_size = backend.page_size
+        self.max_pages = math.ceil(max_model_len / self.page_size)
+        ngroups = backend.layout.num_groups
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
+        self.tables = [
+            torch.zeros(self.max_bs, self.max_pages, dtype=torch.int32, device=dev)
+            for _ in range(ngroups)
+        ]
+        self.slots = [
+            torch.full((self.max_bs,), -1, dtype=torch.int64, device=dev) for _ in range(ngroups)
+        ]
+        h, hkv, d = spec_shape
+        self.splits = {}
+        windows = [g.window for g in backend.layout.groups]
+        for bs in self.buckets:
+            cfg = attention_config(d, h // hkv, 1)
+            longest = max(
+                max_model_len if w is None else min(w, max_model_len) for w in windows
+            )
+            self.splits[bs] = choose_num_splits(bs, hkv, 1, longest, cfg.block_q, _num_sms(dev))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        meta = TritonMetadata(
+            query_start_loc=self.qsl[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            context_lens=self.seq_lens[:bs],  # unused by the kernels
+            groups=[
+                TritonGroupMetadata(t[:bs], s[:bs]) for t, s in zip(self.tables, self.slots)
+            ],
+            num_tokens=bs,
+            max_query_len=1,
+            max_seq_len=self.max_pages * self.page_size,
+            decode_only=True,
+            num_splits=self.splits[bs],
+        )
+        return ForwardBatch(
+            self.input_ids[:bs], self.positions[:bs], self.backend, meta, self.kv
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.buckets):  # largest first: smaller ones reuse its pool
+                fb = self._batch(bs)
+                for _ in range(2):  # warm up: Triton compiles, allocator settles
+                    self.model.compute_logits(self.model(fb))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = self.model.compute_logits(self.model(fb)).float()
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def bucket(self, n: int) -> int | None:
+        for bs in self.buckets:
+            if bs >= n:
+                return bs
+        return None
+
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        page_tables: list[list[list[int]]],  # [request][group] -> pages
+    ) -> torch.Tensor:
+        """Logits `[n, vocab]` (float32) of one decode step for n <= max_bs requests."""
+        n = len(token_ids)
+        bs = self.bucket(n)
+        ps = self.page_size
+        host_ids = torch.zeros(bs, dtype=torch.int64)
+        host_ids[:n] = torch.tensor(token_ids)
+        host_pos = torch.zeros(bs, dtype=torch.int64)
+        host_pos[:n] = torch.tensor(positions)
+        seq = torch.ones(bs, dtype=torch.int32)
+        seq[:n] = host_pos[:n].to(torch.int32) + 1
+        self.input_ids[:bs].copy_(host_ids, non_blocking=True)
+        self.positions[:bs].copy_(host_pos, non_blocking=True)
+        self.seq_lens[:bs].copy_(seq, non_blocking=True)
+        for g in range(len(self.tables)):
+            width = max(len(pt[g]) for pt in page_tables)
+            table = torch.zeros(bs, width, dtype=torch.int32)
+            for r, pt in enumerate(page_tables):
+                table[r, : len(pt[g])] = torch.tensor(pt[g], dtype=torch.int32)
+            slots = torch.full((bs,), -1, dtype=torch.int64)
+            slots[:n] = table[torch.arange(n), host_pos[:n] // ps].long() * ps + host_pos[:n] % ps
+            # Entries past `width` keep stale page ids from earlier steps: the kernel never
+            # reads past a request's seq_len, so they are harmless.
+            self.tables[g][:bs, :width].copy_(table, non_blocking=True)
+            self.slots[g][:bs].copy_(slots, non_blocking=True)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
