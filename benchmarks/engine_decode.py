@@ -52,7 +52,8 @@ def main() -> int:
     roof = weight_bytes / bw
     rows.append(
         f"llama-3.1-8b dummy bf16 batch-1 decode: {per_tok * 1e3:.2f} ms/token; roofline "
-        f"{roof * 1e3:.2f} ms (weights {weight_bytes / 1e9:.1f} GB); efficiency {roof / per_tok:.1%}"
+        f"{roof * 1e3:.2f} ms (weights {weight_bytes / 1e9:.1f} GB); "
+        f"efficiency {roof / per_tok:.1%}"
     )
     prompts = [list(range(1000 + i, 1256 + i)) for i in range(64)]
     t1 = timed(eng, prompts, 1)
