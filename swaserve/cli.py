@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
 
+from swaserve.bench.serve import add_args as add_bench_serve_args
 from swaserve.config import EngineConfig
 
 
@@ -60,6 +62,24 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from swaserve.server.launch import ServerArgs, serve
+
+    if args.max_n < 1:
+        raise ValueError("--max-n must be >= 1")
+    server_args = ServerArgs(
+        host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
+        log_level=args.log_level,
+    )
+    return serve(EngineConfig(**engine_kwargs(args)), server_args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from swaserve.bench.serve import run_from_args
+
+    return run_from_args(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="swaserve")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -75,6 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     g.set_defaults(func=cmd_generate)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--api-key", default=os.environ.get("SWASERVE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $SWASERVE_API_KEY)",
+    )
+    s.add_argument("--max-n", type=int, default=16, help="cap on n (samples per request)")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical"])
+    s.set_defaults(func=cmd_serve)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     m = bsub.add_parser("memory", help="KV capacity: window-aware pool vs every layer full")
@@ -83,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--kv-cache-gb", type=float, default=2.0)
     m.add_argument("--page-size", type=int, default=16)
     m.set_defaults(func=cmd_bench_memory)
+    bs = bsub.add_parser("serve", help="load an OpenAI-compatible server, report latencies")
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
 
     args = parser.parse_args(argv)
     try:
