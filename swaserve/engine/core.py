@@ -12,12 +12,14 @@ import torch
 
 from swaserve.attention import backend_class
 from swaserve.config import EngineConfig
+from swaserve.engine.limits import check_prompt, check_token_ids
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import Request
 from swaserve.engine.scheduler import ScheduledBatch, Scheduler
 from swaserve.memory.groups import build_layout
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager, page_bytes
+from swaserve.memory.radix_cache import build_prefix_cache
 from swaserve.models.blocks import head_dim_of, layer_windows
 from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.sampling.logprobs import compute_logprobs
@@ -67,7 +69,10 @@ class EngineCore:
         self.memory = MemoryManager(
             self.layout, config.page_size, num_pages, watermark_pages=len(self.layout.groups)
         )
-        self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.max_num_batched_tokens)
+        self.cache = build_prefix_cache(config, self.memory, self.kv)
+        self.scheduler = Scheduler(
+            self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache
+        )
         backend = backend_class(config.backend_name())(self.layout, config.page_size, self.device)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
         if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
@@ -128,32 +133,14 @@ class EngineCore:
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Validate a prompt against the context; returns the max_tokens to use."""
-        limit = self.max_model_len
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if num_prompt_tokens >= limit:
-            raise ValueError(
-                f"the prompt has {num_prompt_tokens} tokens; the context is {limit} tokens "
-                f"(max_model_len), leaving no room to generate"
-            )
-        room = limit - num_prompt_tokens
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the context of {limit} tokens (max_model_len)"
-            )
-        return params.max_tokens
+        return check_prompt(self.max_model_len, num_prompt_tokens, params)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        vocab = self.hf_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_token_ids(prompt_token_ids, self.hf_config.vocab_size)
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
         gen = None
         if params.seed is not None:
@@ -181,6 +168,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         batch = self.scheduler.schedule()
+        if self.cache is not None:
+            self.cache.move_pages()  # host loads/stores, then copy-on-write: before any forward
         outputs = [self._aborted(r) for r in batch.rejected]
         if not batch:
             return outputs
@@ -275,7 +264,13 @@ class EngineCore:
         return EngineCoreOutput(req.request_id, [], finish_reason="abort")
 
     def memory_stats(self) -> dict:
-        return self.memory.stats()
+        stats = self.memory.stats()
+        if self.cache is not None:
+            stats.update(self.cache.stats())
+        else:
+            stats.update(dict.fromkeys(("cache_pages", "host_pages", "cache_hit_tokens",
+                                        "evictions", "host_loads"), 0))
+        return stats
 
 
 def _logprob_list(

@@ -1,0 +1,672 @@
+"""The HTTP frontend: OpenAI-compatible routes (DESIGN §8, §11).
+
+A request's path: validate (pydantic, strict) -> SamplingParams -> tokenize (chat template for
+chat) -> check the context -> `CoreClient.add` (one core request per sample) -> wait on the
+request's queue for `RequestOutput`s -> OpenAI JSON or SSE chunks. The handlers never touch
+the model; the only waiting is on asyncio queues fed by the IPC task.
+
+Statuses: 400 invalid request (never FastAPI's 422) or prompt + max_tokens beyond the context;
+401 wrong or missing key (`/v1/*` only); 404 unknown model or path; 503 queue full or core gone.
+A client that goes away (stream or not) aborts its requests in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from swaserve.engine.limits import PromptError, check_prompt, check_token_ids
+from swaserve.outputs import RequestOutput
+from swaserve.sampling.params import SamplingParams
+from swaserve.server import protocol as P
+from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestFailed
+from swaserve.server.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger(__name__)
+_WIRE_INT_MIN, _WIRE_INT_MAX = -(2**63), 2**64 - 1  # what msgpack and torch seeds accept
+_DISCONNECTED = object()
+
+
+@dataclass
+class ServerState:
+    client: CoreClient
+    tokenizer: Any  # None for a model without one: token-id prompts only
+    model_name: str
+    chat_template: str | None  # --chat-template text; None: the tokenizer's own
+    max_model_len: int
+    vocab_size: int
+    max_n: int
+    max_logprobs: int
+    api_key: str | None
+    metrics: Metrics
+    created: int
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str | None = None,
+        code: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+    def response(self) -> JSONResponse:
+        return _ErrorResponse(
+            P.error_body(self.message, self.type, self.param, self.code), status_code=self.status
+        )
+
+
+class _ErrorResponse(JSONResponse):
+    """ASCII JSON: error messages may quote user input, which must never fail to encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+# ---- app ------------------------------------------------------------------------------------
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on /v1/* (health and metrics stay open, as in vLLM)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                err = APIError(
+                    401,
+                    "Invalid or missing API key",
+                    type_="invalid_request_error",
+                    code="invalid_api_key",
+                )
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="swaserve", description="OpenAI-compatible LLM server")
+    app.state.server = state
+    if state.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = P.validation_error(list(exc.errors()))
+        return bad(message, param).response()
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def on_crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return APIError(500, f"internal error: {type(exc).__name__}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.client.dead is not None:
+            return APIError(503, f"engine core is not running: {state.client.dead}").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "swaserve",
+                    "max_model_len": state.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, raw: Request) -> Response:
+        return await _completions(state, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: P.ChatCompletionRequest, raw: Request) -> Response:
+        return await _chat(state, body, raw)
+
+    _document_errors(app)
+    return app
+
+
+def _document_errors(app: FastAPI) -> None:
+    """The OpenAPI schema lists the statuses we answer with (400, not FastAPI's 422)."""
+    base = app.openapi
+    errors = {
+        "400": "Invalid request",
+        "401": "Wrong or missing API key",
+        "404": "Unknown model",
+        "503": "Queue full or engine core gone",
+    }
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base()
+            for path, ops in schema["paths"].items():
+                for op in ops.values():
+                    responses = op.setdefault("responses", {})
+                    responses.pop("422", None)
+                    if path.startswith("/v1/") and path != "/v1/models":
+                        responses.update({k: {"description": v} for k, v in errors.items()})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+# ---- shared request handling ----------------------------------------------------------------
+
+
+def _params(
+    state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest
+) -> SamplingParams:
+    if state.client.dead is not None:
+        raise APIError(503, f"engine core is not running: {state.client.dead}")
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(
+            404,
+            f"The model '{body.model}' does not exist; this server serves '{state.model_name}'",
+            "model",
+            code="model_not_found",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise bad("stream_options is only allowed with stream=true", "stream_options")
+    try:
+        params = body.sampling_params()
+    except ValueError as e:
+        raise bad(str(e), P.param_of(str(e))) from None
+    if params.n > state.max_n:
+        raise bad(f"n={params.n} exceeds this server's cap of {state.max_n} (--max-n)", "n")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > state.max_logprobs:
+            raise bad(
+                f"{name}={k} exceeds this server's cap of {state.max_logprobs} (--max-logprobs)",
+                name,
+            )
+    for name, value in params.to_dict().items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, int) and not _WIRE_INT_MIN <= v <= _WIRE_INT_MAX for v in values):
+            raise bad(f"{name} is out of range", name)
+    if params.seed is not None and params.seed + params.n - 1 > _WIRE_INT_MAX:
+        raise bad("seed + n - 1 must be below 2**64 (sample i uses seed + i)", "seed")
+    if any(t >= state.vocab_size for t in params.stop_token_ids):
+        raise bad(
+            f"stop_token_ids must be below the vocabulary size {state.vocab_size}", "stop_token_ids"
+        )
+    return params
+
+
+def _check_prompt(state: ServerState, ids: list[int], params: SamplingParams) -> None:
+    """The engine's context rule, checked before anything starts (400 naming the limit)."""
+    try:
+        check_token_ids(ids, state.vocab_size)
+        check_prompt(state.max_model_len, len(ids), params)
+    except PromptError as e:
+        raise bad(str(e), e.param) from None
+
+
+def _start(
+    state: ServerState,
+    rid_base: str,
+    prompts: list[tuple[str | None, list[int]]],
+    params: SamplingParams,
+    stream: bool,
+) -> tuple[asyncio.Queue, list[str]]:
+    """Adds one core request group per prompt; all share one queue."""
+    client = state.client
+    total = len(prompts) * params.n
+    if total > client.max_in_flight:
+        raise bad(
+            f"{total} sequences in one request exceed the server's capacity of "
+            f"{client.max_in_flight} (--max-num-seqs + --max-queue)"
+        )
+    if client.num_in_flight + total > client.max_in_flight:
+        raise APIError(
+            503,
+            f"the server is at capacity ({client.max_in_flight} sequences in "
+            "flight, --max-num-seqs + --max-queue); retry later",
+            code="queue_full",
+        )
+    queue: asyncio.Queue = asyncio.Queue()
+    rids = [rid_base] if len(prompts) == 1 else [f"{rid_base}-p{i}" for i in range(len(prompts))]
+    started: list[str] = []
+    try:
+        for rid, (text, ids) in zip(rids, prompts):
+            client.add(rid, text, ids, params, queue, stream)
+            started.append(rid)
+    except (CoreUnavailable, QueueFull, ValueError) as e:
+        for rid in started:
+            client.abort(rid)
+        raise APIError(400 if isinstance(e, ValueError) else 503, str(e)) from None
+    return queue, rids
+
+
+async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:
+    """Puts a marker on the queue when the client goes away (the body is already read)."""
+    while True:
+        msg = await raw.receive()
+        if msg["type"] == "http.disconnect":
+            queue.put_nowait((None, _DISCONNECTED))
+            return
+
+
+async def _collect(
+    state: ServerState, raw: Request, queue: asyncio.Queue, rids: list[str]
+) -> dict[str, RequestOutput]:
+    """Waits for every request's final output (non-stream); aborts all if the client leaves."""
+    finals: dict[str, RequestOutput] = {}
+    watcher = asyncio.get_running_loop().create_task(_watch_disconnect(raw, queue))
+    try:
+        while len(finals) < len(rids):
+            rid, item = await queue.get()
+            if item is _DISCONNECTED:
+                raise APIError(499, "client disconnected")
+            if isinstance(item, RequestFailed):
+                raise APIError(item.status, item.message)
+            if item.finished:
+                finals[rid] = item
+        return finals
+    finally:
+        watcher.cancel()
+        for rid in rids:
+            state.client.abort(rid)  # no-op for finished ones
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _stream_response(gen: AsyncIterator[str], state: ServerState, rids: list[str]) -> Response:
+    def cleanup() -> None:  # runs even when the client left before the stream started
+        for rid in rids:
+            state.client.abort(rid)
+
+    return StreamingResponse(
+        gen,
+        media_type="text/event-stream",
+        background=BackgroundTask(cleanup),
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _events(
+    state: ServerState, queue: asyncio.Queue, rids: list[str]
+) -> AsyncIterator[tuple[str, RequestOutput] | dict]:
+    """Yields (request id, delta RequestOutput) until every request finished; an error dict
+    (SSE error event) when one fails. Aborts the unfinished ones when closed early."""
+    done: set[str] = set()
+    try:
+        while len(done) < len(rids):
+            rid, item = await queue.get()
+            if isinstance(item, RequestFailed):
+                yield P.error_body(
+                    item.message,
+                    "server_error" if item.status >= 500 else "invalid_request_error",
+                    code=item.status,
+                )
+                return
+            if item.finished:
+                done.add(rid)
+            yield rid, item
+    finally:
+        for rid in rids:
+            state.client.abort(rid)
+
+
+# ---- /v1/completions ------------------------------------------------------------------------
+
+
+def _encode(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
+    if state.tokenizer is None:
+        raise bad(
+            f"model {state.model_name} has no tokenizer: send the prompt as token ids", "prompt"
+        )
+    return list(state.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _decode(state: ServerState, ids: list[int]) -> str:
+    return "" if state.tokenizer is None else state.tokenizer.decode(ids)
+
+
+async def _completions(state: ServerState, body: P.CompletionRequest, raw: Request) -> Response:
+    params = _params(state, body)
+    raw_prompts = body.prompts()
+    if not raw_prompts:
+        raise bad("the prompt is empty", "prompt")
+    prompts: list[tuple[str | None, list[int]]] = []
+    for p in raw_prompts:
+        if isinstance(p, str):
+            if not p:
+                raise bad("the prompt is empty", "prompt")
+            prompts.append((p, _encode(state, p)))
+        else:
+            prompts.append((None, list(p)))
+    for _, ids in prompts:
+        _check_prompt(state, ids, params)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    queue, rids = _start(state, rid, prompts, params, bool(body.stream))
+    view = _CompletionView(state, body, params, prompts, rids, rid, created)
+    if body.stream:
+        return _stream_response(view.stream(_events(state, queue, rids)), state, rids)
+    finals = await _collect(state, raw, queue, rids)
+    return JSONResponse(view.response(finals))
+
+
+class _CompletionView:
+    """Builds /v1/completions responses and stream chunks for one HTTP request."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        body: P.CompletionRequest,
+        params: SamplingParams,
+        prompts: list[tuple[str | None, list[int]]],
+        rids: list[str],
+        rid: str,
+        created: int,
+    ) -> None:
+        self.state, self.body, self.params = state, body, params
+        self.prompts, self.rids, self.id, self.created = prompts, rids, rid, created
+        self.index = {r: i for i, r in enumerate(rids)}
+        self.text = P.TokenText(state.tokenizer)
+        self.echo = bool(body.echo)
+        self.token_ids = bool(body.return_token_ids)
+
+    def _prompt_text(self, i: int) -> str:
+        text, ids = self.prompts[i]
+        return text if text is not None else _decode(self.state, ids)
+
+    def _choice(self, i: int, ro: RequestOutput, co: Any, first: bool, offset: int) -> dict:
+        text, lps = co.text, None
+        if self.params.logprobs is not None:
+            lps = P.completion_logprobs(co.logprobs or [], self.text, offset)
+        if self.echo and first:
+            text = self._prompt_text(i) + text
+            if lps is not None:
+                plp = P.prompt_completion_logprobs(
+                    self.prompts[i][1], ro.prompt_logprobs, self.text
+                )
+                lps = P.merge_completion_logprobs(plp, lps)
+        choice: dict[str, Any] = {
+            "index": i * self.params.n + co.index,
+            "text": text,
+            "logprobs": lps,
+            "finish_reason": co.finish_reason,
+            "stop_reason": co.stop_reason,
+        }
+        if self.body.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = P.vllm_prompt_logprobs(
+                ro.prompt_logprobs or [None], self.text
+            )
+        if self.token_ids:
+            if first:
+                choice["prompt_token_ids"] = self.prompts[i][1]
+            choice["token_ids"] = list(co.token_ids)
+        return choice
+
+    def _usage(self, completion_tokens: int, cached: int) -> dict:
+        return P.usage(sum(len(ids) for _, ids in self.prompts), completion_tokens, cached)
+
+    def response(self, finals: dict[str, RequestOutput]) -> dict:
+        choices, completion_tokens, cached = [], 0, 0
+        for rid in self.rids:
+            ro, i = finals[rid], self.index[rid]
+            cached += ro.num_cached_tokens
+            for co in ro.outputs:
+                choices.append(self._choice(i, ro, co, True, 0))
+                completion_tokens += len(co.token_ids)
+        choices.sort(key=lambda c: c["index"])
+        out = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": self._usage(completion_tokens, cached),
+        }
+        if self.token_ids and len(self.prompts) == 1:
+            out["prompt_token_ids"] = self.prompts[0][1]
+        return out
+
+    async def stream(self, events: AsyncIterator) -> AsyncIterator[str]:
+        seen: set[int] = set()
+        offsets: dict[int, int] = {}
+        plps: dict[str, Any] = {}
+        completion_tokens, cached = 0, {}
+        head = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+        }
+        usage_field = {"usage": None} if self.body.include_usage else {}
+        async for ev in events:
+            if isinstance(ev, dict):
+                yield _sse(ev)
+                break
+            rid, ro = ev
+            i = self.index[rid]
+            if ro.prompt_logprobs is not None:
+                plps[rid] = ro.prompt_logprobs
+            ro.prompt_logprobs = plps.get(rid)
+            cached[rid] = max(cached.get(rid, 0), ro.num_cached_tokens)
+            choices = []
+            for co in ro.outputs:
+                idx = i * self.params.n + co.index
+                first = idx not in seen
+                seen.add(idx)
+                choice = self._choice(i, ro, co, first, offsets.get(idx, 0))
+                if choice["logprobs"] is not None and choice["logprobs"]["tokens"]:
+                    lp = choice["logprobs"]
+                    offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                completion_tokens += len(co.token_ids)
+                choices.append(choice)
+            if choices:
+                yield _sse({**head, "choices": choices, **usage_field})
+        else:
+            if self.body.include_usage:
+                yield _sse(
+                    {
+                        **head,
+                        "choices": [],
+                        "usage": self._usage(completion_tokens, sum(cached.values())),
+                    }
+                )
+        yield "data: [DONE]\n\n"
+
+
+# ---- /v1/chat/completions -------------------------------------------------------------------
+
+
+def _render_chat(state: ServerState, body: P.ChatCompletionRequest) -> str:
+    tok = state.tokenizer
+    if tok is None:
+        raise bad(f"model {state.model_name} has no tokenizer, so no chat template")
+    template = state.chat_template or getattr(tok, "chat_template", None)
+    if not template:
+        raise bad(
+            f"model {state.model_name} has no chat template; start the server with "
+            "--chat-template FILE",
+            "messages",
+        )
+    if not body.messages:
+        raise bad("messages must not be empty", "messages")
+    add_gen = True if body.add_generation_prompt is None else body.add_generation_prompt
+    try:
+        return tok.apply_chat_template(
+            [m.to_template() for m in body.messages],
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_gen,
+        )
+    except Exception as e:  # template errors depend on the user's messages: a 400
+        raise bad(f"the chat template failed on these messages: {e}", "messages") from None
+
+
+async def _chat(state: ServerState, body: P.ChatCompletionRequest, raw: Request) -> Response:
+    params = _params(state, body)
+    prompt = _render_chat(state, body)
+    # The template already holds the special tokens: no BOS added again (as Engine.chat).
+    ids = _encode(state, prompt, add_special_tokens=False)
+    _check_prompt(state, ids, params)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    queue, rids = _start(state, rid, [(prompt, ids)], params, bool(body.stream))
+    view = _ChatView(state, body, params, ids, rid, created)
+    if body.stream:
+        return _stream_response(view.stream(_events(state, queue, rids)), state, rids)
+    finals = await _collect(state, raw, queue, rids)
+    return JSONResponse(view.response(finals[rid]))
+
+
+class _ChatView:
+    def __init__(
+        self,
+        state: ServerState,
+        body: P.ChatCompletionRequest,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        rid: str,
+        created: int,
+    ) -> None:
+        self.state, self.body, self.params = state, body, params
+        self.prompt_ids, self.id, self.created = prompt_ids, rid, created
+        self.text = P.TokenText(state.tokenizer)
+        self.token_ids = bool(body.return_token_ids)
+
+    def _lps(self, co: Any) -> dict | None:
+        if self.params.logprobs is None:
+            return None
+        return P.chat_logprobs(co.logprobs or [], self.text)
+
+    def response(self, ro: RequestOutput) -> dict:
+        choices = []
+        for co in ro.outputs:
+            c: dict[str, Any] = {
+                "index": co.index,
+                "message": {"role": "assistant", "content": co.text},
+                "logprobs": self._lps(co),
+                "finish_reason": co.finish_reason,
+                "stop_reason": co.stop_reason,
+            }
+            if self.token_ids:
+                c["token_ids"] = list(co.token_ids)
+            choices.append(c)
+        completion = sum(len(co.token_ids) for co in ro.outputs)
+        out = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": P.usage(len(self.prompt_ids), completion, ro.num_cached_tokens),
+        }
+        if self.token_ids:
+            out["prompt_token_ids"] = self.prompt_ids
+        return out
+
+    async def stream(self, events: AsyncIterator) -> AsyncIterator[str]:
+        head = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.state.model_name,
+        }
+        usage_field = {"usage": None} if self.body.include_usage else {}
+        first = {
+            **head,
+            "choices": [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(self.params.n)
+            ],
+            **usage_field,
+        }
+        if self.token_ids:
+            first["prompt_token_ids"] = self.prompt_ids
+        yield _sse(first)
+        completion_tokens, cached = 0, 0
+        async for ev in events:
+            if isinstance(ev, dict):
+                yield _sse(ev)
+                break
+            _, ro = ev
+            cached = max(cached, ro.num_cached_tokens)
+            choices = []
+            for co in ro.outputs:
+                completion_tokens += len(co.token_ids)
+                if not (
+                    co.text or co.finish_reason or co.logprobs or (self.token_ids and co.token_ids)
+                ):
+                    continue  # tokens whose text is held back (a stop string may start there)
+                c: dict[str, Any] = {
+                    "index": co.index,
+                    "delta": {"content": co.text} if co.text else {},
+                    "logprobs": self._lps(co),
+                    "finish_reason": co.finish_reason,
+                }
+                if co.finish_reason is not None:
+                    c["stop_reason"] = co.stop_reason
+                if self.token_ids:
+                    c["token_ids"] = list(co.token_ids)
+                choices.append(c)
+            if choices:
+                yield _sse({**head, "choices": choices, **usage_field})
+        else:
+            if self.body.include_usage:
+                yield _sse(
+                    {
+                        **head,
+                        "choices": [],
+                        "usage": P.usage(len(self.prompt_ids), completion_tokens, cached),
+                    }
+                )
+        yield "data: [DONE]\n\n"

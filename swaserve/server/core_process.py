@@ -1,0 +1,177 @@
+"""The EngineCore process: `python -m swaserve.server.core_process --spec JSON`.
+
+The loop (message kinds in `swaserve.server.ipc`):
+
+    while True:
+        read every waiting message (block only when there is no work)
+        step once if any request is unfinished
+        send the step's outputs with fresh stats (also after adds/aborts while idle)
+
+It never waits on HTTP: outputs go out through a PUSH socket without a high-water mark. It
+exits when told to (`shutdown`), when its parent process is gone (checked every iteration,
+at least once a second), and, after sending `dead` with the traceback, on any error inside a
+step (the frontend then answers 503 and exits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import zmq
+
+from swaserve.config import EngineConfig
+from swaserve.server.ipc import (
+    ABORT,
+    ADD,
+    DEAD,
+    OUTPUTS,
+    READY,
+    REJECT,
+    SHUTDOWN,
+    decode,
+    encode,
+    output_to_wire,
+)
+
+if TYPE_CHECKING:
+    from swaserve.engine.core import EngineCore
+
+log = logging.getLogger("swaserve.core")
+IDLE_POLL_MS = 1000  # while idle, wake up this often to notice a vanished parent
+
+
+def core_stats(core: EngineCore) -> dict:
+    """What the frontend's /metrics reports: queue lengths and page usage (DESIGN §11)."""
+    mem = core.memory_stats()
+    keep = ("index", "kind", "window", "pages_used")
+    mem["groups"] = [{k: g[k] for k in keep} for g in mem["groups"]]
+    return {
+        "num_running": len(core.scheduler.running),
+        "num_waiting": len(core.scheduler.waiting),
+        "num_preemptions": getattr(core.scheduler, "num_preemptions", 0),
+        "memory": mem,
+    }
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore, in_addr: str, out_addr: str) -> None:
+        self.core = core
+        self.ctx = zmq.Context()
+        self.inp = self.ctx.socket(zmq.PULL)
+        self.inp.setsockopt(zmq.RCVHWM, 0)
+        self.inp.connect(in_addr)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.SNDHWM, 0)
+        self.out.setsockopt(zmq.LINGER, 2000)
+        self.out.connect(out_addr)
+        self.parent = os.getppid()
+        self.running = True
+
+    def send(self, msg: list) -> None:
+        self.out.send(encode(msg))
+
+    def run(self) -> None:
+        core = self.core
+        self.send(
+            [
+                READY,
+                {
+                    "max_model_len": core.max_model_len,
+                    "vocab_size": int(core.hf_config.vocab_size),
+                    "pid": os.getpid(),
+                    "stats": core_stats(core),
+                },
+            ]
+        )
+        while self.running:
+            busy = core.has_unfinished()
+            changed = self.read_inputs(0 if busy else IDLE_POLL_MS)
+            if not self.running:
+                break
+            if os.getppid() != self.parent:  # reparented: the server died without a word
+                log.warning("the server process is gone; engine core exits")
+                self.out.close(linger=0)  # nobody will read what is still queued
+                break
+            outputs = core.step() if core.has_unfinished() else []
+            if outputs or changed:
+                self.send([OUTPUTS, [output_to_wire(o) for o in outputs], core_stats(core)])
+
+    def read_inputs(self, timeout_ms: int) -> bool:
+        """Handles every waiting message; waits up to timeout_ms for the first. True if any."""
+        if not self.inp.poll(timeout_ms):
+            return False
+        while True:
+            try:
+                msg = decode(self.inp.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return True
+            kind = msg[0]
+            if kind == ADD:
+                self.add(msg[1])
+            elif kind == ABORT:
+                self.core.abort_requests(msg[1])
+            elif kind == SHUTDOWN:
+                self.running = False
+                return True
+            else:
+                log.error("unknown message kind %r", kind)
+
+    def add(self, children: list) -> None:
+        """Adds a user request's core requests: all of them, or none and a `reject`."""
+        from swaserve.sampling.params import SamplingParams
+
+        added: list[str] = []
+        try:
+            parsed = [(cid, ids, SamplingParams.from_dict(p)) for cid, ids, p in children]
+            for _, ids, p in parsed:
+                self.core.resolve_max_tokens(len(ids), p)
+            for cid, ids, p in parsed:
+                self.core.add_request(cid, ids, p)
+                added.append(cid)
+        except (ValueError, TypeError) as e:
+            self.core.abort_requests(added)
+            self.send([REJECT, [c[0] for c in children], str(e)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--spec", required=True, help="JSON: config, folder, in_addr, out_addr")
+    spec = json.loads(ap.parse_args(argv).spec)
+    logging.basicConfig(
+        level=spec.get("log_level", "INFO").upper(),
+        format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s",
+    )
+    # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    loop: CoreLoop | None = None
+    ctx = zmq.Context.instance()
+    try:
+        from swaserve.engine.core import EngineCore
+
+        config = EngineConfig(**spec["config"])
+        core = EngineCore(config, Path(spec["folder"]))
+        loop = CoreLoop(core, spec["in_addr"], spec["out_addr"])
+        loop.run()
+        return 0
+    except Exception:
+        tb = traceback.format_exc()
+        log.error("engine core failed:\n%s", tb)
+        out = loop.out if loop is not None else ctx.socket(zmq.PUSH)
+        if loop is None:
+            out.setsockopt(zmq.LINGER, 2000)
+            out.connect(spec["out_addr"])
+        out.send(encode([DEAD, tb]))
+        out.close(2000)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""`swaserve serve`: the EngineCore process + the HTTP frontend (uvicorn) in this process.
+
+Startup: resolve the model folder (GGUF conversion happens here, once), bind the IPC sockets,
+start the core (`python -m swaserve.server.core_process`), wait for its `ready`, then listen.
+
+Watchdog: when the core process exits or reports a fatal error, every live request ends with
+an error, new requests get 503, the reason is logged, and the server exits with status 1
+within a few seconds (a hard `os._exit(1)` backs that up at EXIT_DEADLINE_S).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from swaserve.config import EngineConfig
+
+log = logging.getLogger("swaserve.server")
+WATCHDOG_PERIOD_S = 0.2
+GRACE_S = 1.0  # new requests get 503 this long before the server stops listening
+EXIT_DEADLINE_S = 8.0  # after the core is found dead, the process is gone by then
+READY_TIMEOUT_S = 900.0
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_n: int = 16
+    log_level: str = "info"
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file, or the template text itself (when it holds Jinja markup)."""
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file")
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def start_core(
+    config: EngineConfig, folder: Path, in_addr: str, out_addr: str, log_level: str
+) -> subprocess.Popen:
+    spec = {
+        "config": dataclasses.asdict(config),
+        "folder": str(folder),
+        "in_addr": in_addr,
+        "out_addr": out_addr,
+        "log_level": log_level,
+    }
+    cmd = [sys.executable, "-m", "swaserve.server.core_process", "--spec", json.dumps(spec)]
+    return subprocess.Popen(cmd)
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the cleanup below
+
+
+def serve(config: EngineConfig, args: ServerArgs) -> int:
+    """Runs the server until it is stopped (0) or the core dies (1)."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # while loading; uvicorn's while serving
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from swaserve.engine.engine import load_tokenizer, resolve_folder
+
+    folder = resolve_folder(config.model)
+    tokenizer = load_tokenizer(folder, config.tokenizer)
+    chat_template = read_chat_template(config.chat_template)
+    tmp = tempfile.mkdtemp(prefix="swaserve-ipc-")
+    procs: list[subprocess.Popen] = []
+    ready: list[bool] = []
+    try:
+        return asyncio.run(_main(config, args, folder, tokenizer, chat_template, tmp, procs, ready))
+    finally:
+        for proc in procs:
+            _stop(proc, graceful=bool(ready))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _stop(proc: subprocess.Popen, graceful: bool) -> None:
+    """A ready core got `shutdown` from CoreClient.close; one still loading is terminated."""
+    try:
+        proc.wait(timeout=5 if graceful else 0.01)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def _main(
+    config: EngineConfig,
+    args: ServerArgs,
+    folder: Path,
+    tokenizer: Any,
+    chat_template: str | None,
+    tmp: str,
+    procs: list,
+    ready: list,
+) -> int:
+    import uvicorn
+
+    from swaserve.server.app import ServerState, build_app
+    from swaserve.server.ipc import CoreClient
+    from swaserve.server.metrics import Metrics
+
+    metrics = Metrics()
+    client = CoreClient(
+        tokenizer,
+        f"ipc://{tmp}/in",
+        f"ipc://{tmp}/out",
+        config.max_num_seqs + config.max_queue,
+        metrics,
+    )
+    client.start()
+    try:
+        proc = start_core(config, folder, f"ipc://{tmp}/in", f"ipc://{tmp}/out", args.log_level)
+        procs.append(proc)
+        log.info("engine core process %d is loading %s", proc.pid, config.model)
+        if not await _wait_ready(client, proc):
+            return 1
+        ready.append(True)
+        info = client.info or {}
+        state = ServerState(
+            client=client,
+            tokenizer=tokenizer,
+            model_name=config.model,
+            chat_template=chat_template,
+            max_model_len=int(info["max_model_len"]),
+            vocab_size=int(info["vocab_size"]),
+            max_n=args.max_n,
+            max_logprobs=config.max_logprobs,
+            api_key=args.api_key,
+            metrics=metrics,
+            created=int(time.time()),
+        )
+        server = _server_class()(
+            uvicorn.Config(
+                build_app(state),
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                timeout_graceful_shutdown=2,
+            )
+        )
+        watchdog = asyncio.get_running_loop().create_task(_watchdog(proc, client, server))
+        log.info(
+            "serving %s on http://%s:%d (engine core pid %d)",
+            config.model,
+            args.host,
+            args.port,
+            proc.pid,
+        )
+        await server.serve()
+        watchdog.cancel()
+        return 1 if client.dead is not None else 0
+    finally:
+        client.close()
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM once it has shut down, which would kill this process
+        before it stops the core and removes the IPC folder; here the signals only stop it."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    return Server
+
+
+async def _wait_ready(client: Any, proc: subprocess.Popen) -> bool:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not client.ready.is_set():
+        code = proc.poll()
+        if code is not None:
+            await asyncio.sleep(0.2)  # its last words may still be on the way
+            log.error(
+                "engine core failed to start (%s)%s",
+                _exit_reason(code),
+                f": {client.dead}" if client.dead else "",
+            )
+            return False
+        if time.monotonic() > deadline:
+            log.error("engine core not ready after %.0f s", READY_TIMEOUT_S)
+            return False
+        try:
+            await asyncio.wait_for(client.ready.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+    if client.dead is not None:
+        log.error("engine core failed to start: %s", client.dead)
+        return False
+    return True
+
+
+async def _watchdog(proc: subprocess.Popen, client: Any, server: Any) -> None:
+    while True:
+        await asyncio.sleep(WATCHDOG_PERIOD_S)
+        code = proc.poll()
+        if code is None and client.dead is None:
+            continue
+        reason = client.dead or f"engine core process {proc.pid} {_exit_reason(code)}"
+        client.fail_all(reason)
+        if client.metrics is not None:
+            client.metrics.core_alive.set(0)
+        log.error("engine core is gone (%s): answering 503, exiting in %.0f s", reason, GRACE_S)
+        timer = threading.Timer(EXIT_DEADLINE_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+        await asyncio.sleep(GRACE_S)
+        server.should_exit = True
+        return

@@ -1,0 +1,170 @@
+"""Real server processes for the end-to-end tests.
+
+`server`: ONE `swaserve serve` on smollm2-135m-instruct for the whole session (API key on).
+`tiny_server_factory`: small servers on a tiny random Llama folder whose tokenizer has no
+chat template, started per test (queue-full and kill-the-core tests), stopped at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "sk-swaserve-test"
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.api_key = api_key
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "swaserve.cli", "serve", "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                raise RuntimeError(f"server exited with {code}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def core_pid(self) -> int:
+        """The engine core: the server's child process."""
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                    return int(entry.name)
+        raise RuntimeError("no engine core process found")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    args = [
+        "--model",
+        MODEL,
+        "--device",
+        "cpu",
+        "--kv-cache-gb",
+        "0.5",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "64",
+        "--max-n",
+        "4",
+        "--log-level",
+        "info",
+    ]
+    srv = RunningServer(args, tmp_path_factory.mktemp("server") / "server.log", API_KEY)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer minus its chat template."""
+    import torch
+    import transformers
+
+    from swaserve.engine.engine import resolve_folder
+
+    src = resolve_folder(MODEL)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return folder
+
+
+@pytest.fixture
+def tiny_server_factory(tiny_model_folder, tmp_path):
+    started: list[RunningServer] = []
+
+    def start(*extra: str) -> RunningServer:
+        args = [
+            "--model",
+            str(tiny_model_folder),
+            "--device",
+            "cpu",
+            "--kv-cache-gb",
+            "0.05",
+            *extra,
+        ]
+        srv = RunningServer(args, tmp_path / f"tiny-{len(started)}.log")
+        started.append(srv)
+        srv.wait_ready()
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()

@@ -1,0 +1,788 @@
+"""The OpenAI-compatible server, end to end: a real `swaserve serve` process on
+smollm2-135m-instruct, driven by the official `openai` client (issue 3's done-when list)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swaserve import SamplingParams
+from tests.e2e.conftest import API_KEY, MODEL
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def metric(server, name: str, labels: str = "", default: float | None = None) -> float:
+    """One sample of /metrics (`name{labels}`), summed over label sets when labels is ''."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    total, found = 0.0, False
+    for line in text.splitlines():
+        m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$", line)
+        if m and m.group(1) == name and (not labels or m.group(2) == "{" + labels + "}"):
+            total, found = total + float(m.group(3)), True
+    if not found and default is not None:
+        return default
+    assert found, f"{name}{labels} not in /metrics"
+    return total
+
+
+def wait_idle(server, timeout: float = 20.0) -> None:
+    """Until no request holds pages and none runs or waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = metric(server, "swaserve:kv_pages_held_by_requests")
+        busy = metric(server, "swaserve:num_requests_running") + metric(
+            server, "swaserve:num_requests_waiting"
+        )
+        if held == 0 and busy == 0:
+            return
+        assert time.monotonic() < deadline, f"still {held} pages held, {busy} requests busy"
+        time.sleep(0.2)
+
+
+def extra(obj, name: str):
+    return (obj.model_extra or {}).get(name)
+
+
+def test_ipc_wire_roundtrip():
+    """Core outputs cross the process boundary as msgpack of plain lists (no pickle)."""
+    from swaserve.outputs import EngineCoreOutput, Logprob
+    from swaserve.server.ipc import OUTPUTS, decode, encode, output_from_wire, output_to_wire
+
+    out = EngineCoreOutput(
+        "r-1",
+        [5, 6],
+        finish_reason="stop",
+        stop_reason=6,
+        new_logprobs=[Logprob(5, -0.5, 1, [(5, -0.5), (7, -1.5)]), Logprob(6, -2.0, 3)],
+        prompt_logprobs=[None, Logprob(9, -3.25, 2, [(1, -0.1)])],
+        num_cached_tokens=16,
+    )
+    kind, wires, stats = decode(encode([OUTPUTS, [output_to_wire(out)], {"num_running": 1}]))
+    assert kind == OUTPUTS and stats == {"num_running": 1}
+    assert output_from_wire(wires[0]) == out
+
+
+# ---- correct answers through the official client ---------------------------------------------
+
+
+def test_chat_paris(client):
+    # No max_tokens: the rest of the context; the model stops by itself at EOS.
+    r = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_stream_paris(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        extra_body={"return_token_ids": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    ids = [t for c in chunks if c.choices for t in (extra(c.choices[0], "token_ids") or [])]
+    assert len(ids) == chunks[-1].usage.completion_tokens
+    assert extra(chunks[0], "prompt_token_ids")
+
+
+def test_completions_and_stream_agree(client):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    r = client.completions.create(**kw, extra_body={"return_token_ids": True})
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == r.choices[0].text and "Paris" in r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens == 8
+    assert len(extra(r.choices[0], "token_ids")) == 8
+    assert extra(r, "prompt_token_ids") == extra(r.choices[0], "prompt_token_ids")
+
+
+def test_completion_logprobs_and_echo(client):
+    prompt = "The capital of France is"
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=3, echo=True
+    )
+    c = r.choices[0]
+    assert c.text.startswith(prompt)
+    lp = c.logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 4 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    # Greedy: the chosen token is the best one.
+    for val, top in zip(lp.token_logprobs[n_prompt:], lp.top_logprobs[n_prompt:]):
+        assert max(top.values()) == pytest.approx(val, abs=1e-4)
+    assert "".join(lp.tokens) == c.text
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        messages=[{"role": "user", "content": "Say hello"}],
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+
+
+def test_stream_logprobs(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+        messages=[{"role": "user", "content": "Say hello"}],
+    )
+    entries = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert len(entries) == 4
+
+
+def test_n2(client):
+    r = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, temperature=1.0, seed=7
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 12
+    chat = client.chat.completions.create(
+        model=MODEL,
+        n=2,
+        max_tokens=5,
+        temperature=0.8,
+        seed=1,
+        messages=[{"role": "user", "content": "Tell me a story"}],
+    )
+    assert len(chat.choices) == 2
+    stream = client.chat.completions.create(
+        model=MODEL,
+        n=2,
+        max_tokens=5,
+        temperature=0.8,
+        seed=1,
+        stream=True,
+        messages=[{"role": "user", "content": "Tell me a story"}],
+    )
+    texts = ["", ""]
+    for c in stream:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == [c.message.content for c in chat.choices]  # same seeds, same samples
+
+
+def test_multiple_prompts_and_token_ids(client):
+    r = client.completions.create(
+        model=MODEL, prompt=["Hello", "The sky is"], max_tokens=3, temperature=0, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    r2 = client.completions.create(
+        model=MODEL, prompt=[[1, 9690, 198]], max_tokens=3, temperature=0
+    )
+    assert r2.usage.prompt_tokens == 3
+
+
+def test_sampling_extras(client):
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Count: one, two,",
+        max_tokens=12,
+        temperature=0.7,
+        top_p=0.9,
+        seed=3,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        stop=["five"],
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
+    )
+    assert "five" not in r.choices[0].text
+    r2 = client.completions.create(
+        model=MODEL,
+        prompt="Count: one, two,",
+        max_tokens=12,
+        temperature=0.7,
+        top_p=0.9,
+        seed=3,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        stop=["five"],
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
+    )
+    assert r2.choices[0].text == r.choices[0].text  # seeded
+    greedy = client.completions.create(
+        model=MODEL, prompt="Count: one, two,", max_tokens=12, temperature=0, stop=[" four"]
+    )
+    assert greedy.choices[0].finish_reason == "stop"
+    assert greedy.choices[0].text == " three,"
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "kv_pages_used",
+        "kv_pages_held_by_requests",
+        "kv_pages_held_by_cache",
+        "prefix_cache_hit_tokens_total",
+        "prefix_cache_queries_tokens_total",
+    ):
+        assert f"swaserve:{name}" in text, name
+    assert 'swaserve:kv_pages_used{group="0:full"}' in text
+    assert metric(server, "swaserve:generation_tokens_total") > 0
+
+
+# ---- HTTP output equals the offline Engine ---------------------------------------------------
+
+
+def test_greedy_matches_offline_engine(client, smollm_engine):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for p in prompts:  # one at a time on both sides: the same batch shapes
+        offline = smollm_engine.generate([p], sp)[0]
+        r = client.completions.create(
+            model=MODEL,
+            prompt=p,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert extra(r.choices[0], "token_ids") == offline.token_ids, p
+        assert r.choices[0].text == offline.text
+    conv = [{"role": "user", "content": "Name three colors."}]
+    offline = smollm_engine.chat([conv], SamplingParams(max_tokens=16, temperature=0))[0]
+    r = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == offline.text
+
+
+# ---- load, disconnects ---------------------------------------------------------------------
+
+
+def test_64_concurrent_streams(server):
+    async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
+        stream = await ac.completions.create(
+            model=MODEL,
+            prompt=f"Request {i}: the story begins",
+            max_tokens=8,
+            temperature=0.5,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        ids, usage, finish = 0, -1, None
+        async for c in stream:
+            if c.usage is not None:
+                usage = c.usage.completion_tokens
+            for ch in c.choices:
+                ids += len(extra(ch, "token_ids") or [])
+                finish = ch.finish_reason or finish
+        return ids, usage, finish
+
+    async def main() -> list:
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=300
+        ) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(64)))
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    assert results == [(8, 8, "length")] * 64
+    wait_idle(server)
+    print(f"64 streams in {time.monotonic() - t0:.1f} s")
+
+
+def test_disconnect_frees_pages(server):
+    aborted_before = metric(
+        server, "swaserve:request_success_total", 'finished_reason="abort"', default=0.0
+    )
+
+    held_while_streaming: list[float] = []
+
+    async def drop_after_3(ac: httpx.AsyncClient, i: int, barrier: asyncio.Barrier) -> int:
+        body = {
+            "model": MODEL,
+            "prompt": f"Stream {i} goes on and on",
+            "max_tokens": 1500,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        n = 0
+        async with ac.stream("POST", server.base_url + "/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                    if n == 3:
+                        break
+            if await barrier.wait() == 0:  # all 10 are mid-stream: their pages are held
+                m = await ac.get(server.url + "/metrics")
+                held_while_streaming.append(
+                    sum(
+                        float(x.split()[-1])
+                        for x in m.text.splitlines()
+                        if x.startswith("swaserve:kv_pages_held_by_requests ")
+                    )
+                )
+            await barrier.wait()
+        return n  # leaving the block closed the connection mid-stream
+
+    async def main() -> list[int]:
+        barrier = asyncio.Barrier(10)
+        async with httpx.AsyncClient(headers=server.headers(), timeout=120) as ac:
+            return await asyncio.gather(*(drop_after_3(ac, i, barrier) for i in range(10)))
+
+    assert asyncio.run(main()) == [3] * 10
+    assert held_while_streaming[0] >= 10  # at least a page each
+    wait_idle(server, timeout=15)
+    aborted = metric(server, "swaserve:request_success_total", 'finished_reason="abort"')
+    assert aborted - aborted_before == 10
+
+
+def test_non_stream_disconnect_aborts(server):
+    body = {"model": MODEL, "prompt": "A long answer", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            server.base_url + "/completions", json=body, headers=server.headers(), timeout=1.0
+        )
+    wait_idle(server, timeout=15)
+
+
+def test_bench_serve_cli(server, tmp_path):
+    """`swaserve bench serve` against the running server writes the keys peers report."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(
+        "\n".join(json.dumps({"prompt": f"Question {i}?", "max_tokens": 3}) for i in range(3))
+    )
+    for dataset in ("random", str(data)):
+        out = tmp_path / "result.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "swaserve.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--api-key",
+            API_KEY,
+            "--dataset",
+            dataset,
+            "--num-prompts",
+            "8",
+            "--max-concurrency",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--result-file",
+            str(out),
+        ]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "TTFT" in p.stdout
+        result = json.loads(out.read_text())
+        assert result["completed"] == 8 and result["failed"] == 0
+        assert result["total_output_tokens"] == (32 if dataset == "random" else 24)
+        for key in ("request_throughput", "output_throughput", "total_token_throughput"):
+            assert result[key] > 0
+        for name in ("ttft", "itl", "e2el"):
+            for kind in ("mean", "median", "p99"):
+                assert result[f"{kind}_{name}_ms"] > 0, (name, kind)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def post(server, path: str, body, headers=None, raw: bytes | None = None) -> httpx.Response:
+    h = {"Content-Type": "application/json", **server.headers(), **(headers or {})}
+    content = raw if raw is not None else json.dumps(body)
+    return httpx.post(server.base_url + path, content=content, headers=h, timeout=120)
+
+
+ERROR_CASES = [
+    ("/completions", None, b"{not json", 400, None),
+    ("/completions", {}, None, 400, "prompt"),
+    ("/chat/completions", {"model": MODEL}, None, 400, "messages"),
+    ("/completions", {"prompt": "hi", "max_tokens": "5"}, None, 400, "max_tokens"),
+    ("/completions", {"prompt": "hi", "temperature": -1}, None, 400, "temperature"),
+    ("/completions", {"prompt": "hi", "top_p": 0}, None, 400, "top_p"),
+    ("/completions", {"prompt": "hi", "n": 5}, None, 400, "n"),
+    ("/completions", {"prompt": "hi", "n": 0}, None, 400, "n"),
+    ("/completions", {"prompt": "hi", "logprobs": 50}, None, 400, "logprobs"),
+    ("/completions", {"prompt": "hi", "max_tokens": 0}, None, 400, "max_tokens"),
+    ("/completions", {"prompt": "hi", "max_tokens": 5000}, None, 400, "max_tokens"),
+    ("/completions", {"prompt": [5] * 2048, "max_tokens": 1}, None, 400, "prompt"),
+    ("/completions", {"prompt": [10**6], "max_tokens": 1}, None, 400, "prompt"),
+    ("/completions", {"prompt": "", "max_tokens": 1}, None, 400, "prompt"),
+    ("/completions", {"prompt": "hi", "suffix": "x"}, None, 400, "suffix"),
+    (
+        "/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_object"},
+            "tools": [],
+        },
+        None,
+        400,
+        "response_format",
+    ),
+    (
+        "/chat/completions",
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        None,
+        400,
+        "messages",
+    ),
+    ("/chat/completions", {"messages": []}, None, 400, "messages"),
+    (
+        "/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        None,
+        400,
+        "top_logprobs",
+    ),
+    ("/completions", {"prompt": "hi", "model": "gpt-4"}, None, 404, "model"),
+    ("/completions", None, b'{"prompt": "\\udc80", "max_tokens": 1}', 400, None),
+    ("/completions", None, b'{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 1}', 400, None),
+    ("/completions", None, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    ("/completions", None, b'{"prompt": "hi", "n": ' + b"9" * 5000 + b"}", 400, None),
+    (
+        "/completions",
+        {"prompt": "hi", "max_tokens": 1, "stream_options": {"include_usage": True}},
+        None,
+        400,
+        "stream_options",
+    ),
+]
+
+
+@pytest.mark.parametrize("path,body,raw,status,param", ERROR_CASES)
+def test_error_statuses(server, path, body, raw, status, param):
+    r = post(server, path, body, raw=raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_context_error_names_the_limit(server):
+    r = post(server, "/completions", {"prompt": "hi", "max_tokens": 5000})
+    message = r.json()["error"]["message"]
+    assert "2048" in message and "max_model_len" in message
+    r = post(server, "/completions", {"prompt": "hi", "max_tokens": 5000, "stream": True})
+    assert r.status_code == 400
+
+
+def test_unsupported_fields_are_named(server):
+    r = post(
+        server,
+        "/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": "auto"},
+    )
+    assert r.status_code == 400
+    assert "'tools'" in r.json()["error"]["message"]
+    assert "'tool_choice'" in r.json()["error"]["message"]
+
+
+def test_api_key(server, client):
+    assert (
+        post(server, "/completions", {"prompt": "hi"}, headers={"Authorization": ""}).status_code
+        == 401
+    )
+    bad = openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(server.url + "/health").status_code == 200  # open, like /metrics
+
+
+# ---- fuzz -----------------------------------------------------------------------------------
+
+_JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=12),
+    st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=2),
+    st.lists(st.integers(-3, 60000), max_size=4),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+# Sampling fields with plausible values (in and near their ranges).
+_COMMON = {
+    "model": st.sampled_from([MODEL, MODEL, "other-model"]),
+    "n": st.integers(0, 3),
+    "temperature": st.floats(0, 2.5),
+    "top_p": st.floats(0, 1),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
+    "seed": st.integers(-(2**64), 2**65),
+    "frequency_penalty": st.floats(-2.5, 2.5),
+    "presence_penalty": st.floats(-2.5, 2.5),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "top_k": st.integers(-2, 60000),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0, 3),
+    "ignore_eos": st.booleans(),
+    "min_tokens": st.integers(0, 2),
+    "stop_token_ids": st.lists(st.integers(0, 50000), max_size=3),
+    "return_token_ids": st.booleans(),
+    "user": st.text(max_size=5),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+}
+_MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+        "content": st.one_of(
+            st.text(max_size=30),
+            st.lists(
+                st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
+                max_size=2,
+            ),
+        ),
+    },
+    optional={"name": st.text(max_size=5)},
+)
+_COMPLETION = st.fixed_dictionaries(
+    {
+        "prompt": st.one_of(
+            st.text(min_size=1, max_size=40),
+            st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=2),
+            st.lists(st.integers(0, 49151), min_size=1, max_size=8),
+        ),
+        "max_tokens": st.integers(1, 3),
+    },
+    optional={
+        **_COMMON,
+        "echo": st.booleans(),
+        "logprobs": st.integers(0, 5),
+        "prompt_logprobs": st.integers(0, 3),
+    },
+)
+_CHAT = st.fixed_dictionaries(
+    {
+        "messages": st.lists(_MESSAGE, min_size=1, max_size=3),
+        "max_completion_tokens": st.integers(1, 3),
+    },
+    optional={
+        **_COMMON,
+        "logprobs": st.booleans(),
+        "top_logprobs": st.integers(0, 5),
+        "add_generation_prompt": st.booleans(),
+    },
+)
+_UNSUPPORTED = [
+    "response_format",
+    "tools",
+    "tool_choice",
+    "logit_bias",
+    "suffix",
+    "best_of",
+    "functions",
+    "parallel_tool_calls",
+    "x",
+]
+
+
+@st.composite
+def _mutated(draw, base: st.SearchStrategy) -> dict:
+    """A plausible body with 1-2 fields replaced by junk, deleted, or an unknown field added."""
+    body = draw(base)
+    for _ in range(draw(st.integers(1, 2))):
+        how = draw(st.sampled_from(["junk", "drop", "extra"]))
+        if how == "extra":
+            body[draw(st.sampled_from(_UNSUPPORTED))] = draw(_JUNK)
+        else:
+            key = draw(st.sampled_from(sorted(body)))
+            if how == "junk":
+                body[key] = draw(_JUNK)
+            elif key not in ("max_tokens", "max_completion_tokens"):  # keep generation short
+                del body[key]
+    # Junk that happens to be a big valid max_tokens (or null: the rest of the context) would
+    # generate for minutes.
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key, 0)
+        if v is None or (isinstance(v, int) and not isinstance(v, bool) and 3 < v <= 2048):
+            body[key] = 3
+    return body
+
+
+_FUZZ_SECONDS = float(os.environ.get("SWASERVE_FUZZ_SECONDS", "90"))
+
+
+def test_fuzz_no_5xx(server):
+    """A few hundred generated requests, valid and not; none may get a 5xx. Capped in time."""
+    deadline = time.monotonic() + _FUZZ_SECONDS
+    stats = {"cases": 0, "2xx": 0}
+    http = httpx.Client(
+        headers={**server.headers(), "Content-Type": "application/json"}, timeout=60
+    )
+
+    @settings(
+        max_examples=300,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        case=st.one_of(
+            st.tuples(st.just("/completions"), _COMPLETION),
+            st.tuples(st.just("/chat/completions"), _CHAT),
+            st.tuples(st.just("/completions"), _mutated(_COMPLETION)),
+            st.tuples(st.just("/chat/completions"), _mutated(_CHAT)),
+            st.tuples(st.sampled_from(["/completions", "/chat/completions"]), _JUNK),
+        )
+    )
+    def run(case):
+        if time.monotonic() > deadline:
+            return
+        path, body = case
+        # A chat without max_completion_tokens uses max_tokens: keep generation bounded.
+        if isinstance(body, dict) and path == "/chat/completions":
+            body.setdefault("max_tokens", 2)
+        with http.stream("POST", server.base_url + path, content=json.dumps(body)) as r:
+            content = r.read()
+        stats["cases"] += 1
+        assert r.status_code < 500, (body, r.status_code, content[:500])
+        if r.status_code >= 400:
+            err = json.loads(content)["error"]
+            assert err["message"] and err["type"]
+        else:
+            stats["2xx"] += 1
+            if isinstance(body, dict) and body.get("stream") is True:
+                text = content.decode()
+                assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+                assert '"error"' not in text, text[:500]
+
+    run()
+    http.close()
+    print(f"fuzz: {stats}")
+    assert stats["cases"] >= 100 and stats["2xx"] > 0, stats
+    assert httpx.get(server.url + "/health").status_code == 200
+    wait_idle(server)
+
+
+# ---- tiny servers: no chat template, full queue, core death --------------------------------
+
+
+def test_no_chat_template_and_full_queue(tiny_server_factory):
+    srv = tiny_server_factory("--max-num-seqs", "1", "--max-queue", "1")
+    model = httpx.get(srv.base_url + "/models").json()["data"][0]["id"]
+    c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+    streams = [
+        c.completions.create(
+            model=model, prompt="x", max_tokens=3000, stream=True, extra_body={"ignore_eos": True}
+        )
+        for _ in range(2)
+    ]
+    next(iter(streams[0]))  # both are in flight (headers came back): one runs, one waits
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model=model, prompt="x", max_tokens=2)
+    assert e.value.status_code == 503
+    for s in streams:
+        s.close()
+
+
+def test_chat_template_file_then_kill_the_core(tiny_server_factory, tiny_model_folder, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.role }}: {{ m.content }}>>{% endfor %}")
+    srv = tiny_server_factory("--chat-template", str(template))
+    model = httpx.get(srv.base_url + "/models").json()["data"][0]["id"]
+    c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)
+    r = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=2,
+        extra_body={"return_token_ids": True},
+    )
+    from swaserve.engine.engine import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_folder)
+    assert extra(r, "prompt_token_ids") == tok.encode("<<user: hello>>", add_special_tokens=False)
+
+    # Kill the core with a stream in flight.
+    stream = c.completions.create(
+        model=model, prompt="x", max_tokens=3000, stream=True, extra_body={"ignore_eos": True}
+    )
+    it = iter(stream)
+    next(it)
+    t0 = time.monotonic()
+    os.kill(srv.core_pid(), signal.SIGKILL)
+    with pytest.raises(openai.APIError):  # the live stream ends with an error event
+        for _ in it:
+            pass
+    statuses = set()
+    while srv.proc.poll() is None and time.monotonic() - t0 < 15:
+        try:
+            statuses.add(
+                httpx.post(
+                    srv.base_url + "/completions", timeout=5, json={"prompt": "hi", "max_tokens": 1}
+                ).status_code
+            )
+        except httpx.TransportError:
+            statuses.add("refused")
+        time.sleep(0.1)
+    elapsed = time.monotonic() - t0
+    assert srv.proc.wait(timeout=1) != 0
+    assert elapsed < 10, elapsed
+    assert statuses <= {503, "refused"} and 503 in statuses, statuses
+    assert "engine core is gone" in srv.log() and "SIGKILL" in srv.log()
