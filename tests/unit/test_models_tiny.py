@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from swaserve import Engine
+from swaserve import Engine, SamplingParams
 from tests.helpers import engine_prompt_logits
 
 COMMON = dict(
@@ -76,3 +76,31 @@ def test_tiny_logits_match_hf(hf_folders, name, page_size, chunk):
     assert err < 1e-3, f"{name}: max |logit diff| {err}"
     engine.core.memory.check_integrity()
     assert engine.memory_stats()["pages_free"] == engine.memory_stats()["pages_total"]
+
+
+def test_dummy_load_format_from_config_alone(tmp_path):
+    """--load-format dummy: random weights in real shapes from a config.json alone."""
+    cfg = _configs()["gemma3"]
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="dummy"):
+        Engine(model=str(tmp_path), device="cpu")
+    engine = Engine(model=str(tmp_path), device="cpu", load_format="dummy", kv_cache_gb=0.01)
+    out = engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 5 and out[0].text == ""  # no tokenizer: ids only
+
+
+@pytest.mark.parametrize("name,params_b", [("llama-3.1-8b", 8.0), ("gemma-3-27b", 27.0)])
+def test_shipped_shape_configs(name, params_b):
+    """The shipped dummy shapes build with the right parameter counts (on meta, no memory)."""
+    from swaserve.engine.engine import resolve_folder
+    from swaserve.models.registry import model_class
+    from swaserve.weights.loader import load_hf_config
+
+    cfg = load_hf_config(resolve_folder(name))
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    n = sum(p.numel() for p in model.parameters()) / 1e9
+    assert abs(n - params_b) / params_b < 0.1, n
