@@ -62,6 +62,19 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from swaserve import Engine
+    from swaserve.bench.offline import run_offline_bench
+
+    engine = Engine(**engine_kwargs(args))
+    result = run_offline_bench(
+        engine, args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range),
+        seed=args.bench_seed,
+    )
+    print(json.dumps(result))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from swaserve.server.launch import ServerArgs, serve
 
@@ -116,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--kv-cache-gb", type=float, default=2.0)
     m.add_argument("--page-size", type=int, default=16)
     m.set_defaults(func=cmd_bench_memory)
+    o = bsub.add_parser("offline", help="batch-1 decode time and offline throughput")
+    add_engine_args(o)
+    o.add_argument("--num-prompts", type=int, default=1000)
+    o.add_argument("--input-len-range", type=int, nargs=2, default=[100, 1024])
+    o.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024])
+    o.add_argument("--bench-seed", type=int, default=0)
+    o.set_defaults(func=cmd_bench_offline)
     bs = bsub.add_parser("serve", help="load an OpenAI-compatible server, report latencies")
     add_bench_serve_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
