@@ -23,8 +23,10 @@ def engine_prompt_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
     try:
         from swaserve import SamplingParams
 
+        # prompt_logprobs makes the request compute every position (it skips the prefix
+        # cache), so the recorded hidden states cover the whole prompt even on a warm engine.
         engine.generate(prompt_token_ids=[prompt_ids], sampling_params=SamplingParams(
-            max_tokens=1, temperature=0))
+            max_tokens=1, temperature=0, prompt_logprobs=0))
     finally:
         core.runner.forward = forward
     hidden = torch.cat(captured)[: len(prompt_ids)]

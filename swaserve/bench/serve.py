@@ -49,6 +49,7 @@ class Result:
     error: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: the prefix-cache hit
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)  # one entry per token after the first
@@ -72,6 +73,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: prefix words")
     p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: prefix groups")
     p.add_argument(
+        "--num-turns",
+        type=int,
+        default=1,
+        help="shared-prefix: turns per conversation; turn t+1 resends turn t's prompt plus "
+        "--input-len new words, after turn t finished",
+    )
+    p.add_argument(
         "--no-ignore-eos",
         action="store_true",
         help="let requests stop at EOS (default: exactly max_tokens each)",
@@ -89,19 +97,24 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+def build_dataset(args: argparse.Namespace) -> list[list[BenchRequest]]:
+    """Conversations: each a list of requests sent one after another (one turn unless
+    shared-prefix with --num-turns > 1); `num_prompts` counts requests."""
     rng = random.Random(args.seed)
     n = args.num_prompts
     if args.dataset == "random":
-        return [BenchRequest(_words(rng, args.input_len), args.output_len) for _ in range(n)]
+        return [[BenchRequest(_words(rng, args.input_len), args.output_len)] for _ in range(n)]
     if args.dataset == "shared-prefix":
         prefixes = [_words(rng, args.prefix_len) for _ in range(max(1, args.num_prefixes))]
-        return [
-            BenchRequest(
-                prefixes[i % len(prefixes)] + " " + _words(rng, args.input_len), args.output_len
-            )
-            for i in range(n)
-        ]
+        turns = max(1, args.num_turns)
+        convs = []
+        for i in range(max(1, n // turns)):
+            prompt, conv = prefixes[i % len(prefixes)], []
+            for _ in range(turns):
+                prompt = prompt + " " + _words(rng, args.input_len)
+                conv.append(BenchRequest(prompt, args.output_len))
+            convs.append(conv)
+        return convs
     path = Path(args.dataset)
     if not path.is_file():
         raise ValueError(f"--dataset {args.dataset!r}: not random, shared-prefix or a file")
@@ -112,7 +125,7 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
             items.append(BenchRequest(d["prompt"], int(d.get("max_tokens", args.output_len))))
     if not items:
         raise ValueError(f"{path} holds no prompts")
-    return [items[i % len(items)] for i in range(n)]
+    return [[items[i % len(items)]] for i in range(n)]
 
 
 async def _one(client: Any, url: str, body: dict, timeout: float) -> Result:
@@ -135,8 +148,11 @@ async def _one(client: Any, url: str, body: dict, timeout: float) -> Result:
                     res.error = str(chunk["error"])
                     return res
                 if chunk.get("usage"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    res.prompt_tokens = usage["prompt_tokens"]
+                    res.output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens") or 0
                 k = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
                 if k == 0:
                     continue
@@ -183,27 +199,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         sem = asyncio.Semaphore(max(1, args.max_concurrency))
         rng = random.Random(args.seed + 1)
 
-        async def limited(req: BenchRequest) -> Result:
-            body = {
-                "model": model,
-                "prompt": req.prompt,
-                "max_tokens": req.max_tokens,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "ignore_eos": not args.no_ignore_eos,
-                "return_token_ids": True,
-            }
-            async with sem:
-                return await _one(client, f"{base}/v1/completions", body, args.timeout)
+        async def limited(conv: list[BenchRequest]) -> list[Result]:
+            out = []
+            async with sem:  # a conversation keeps its slot: turn t+1 follows turn t
+                for req in conv:
+                    body = {
+                        "model": model,
+                        "prompt": req.prompt,
+                        "max_tokens": req.max_tokens,
+                        "temperature": 0.0,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                        "ignore_eos": not args.no_ignore_eos,
+                        "return_token_ids": True,
+                    }
+                    out.append(await _one(client, f"{base}/v1/completions", body, args.timeout))
+            return out
 
         tasks = []
         start = time.perf_counter()
-        for req in dataset:
-            tasks.append(asyncio.create_task(limited(req)))
+        for conv in dataset:
+            tasks.append(asyncio.create_task(limited(conv)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
+        results = [r for conv in await asyncio.gather(*tasks) for r in conv]
         duration = time.perf_counter() - start
     return summarize(args, model, results, duration)
 
@@ -214,6 +233,7 @@ def summarize(
     ok = [r for r in results if r.ok]
     inp = sum(r.prompt_tokens for r in ok)
     out = sum(r.output_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     summary: dict[str, Any] = {
         "backend": "swaserve",
         "base_url": args.base_url,
@@ -228,6 +248,8 @@ def summarize(
         "duration_s": duration,
         "total_input_tokens": inp,
         "total_output_tokens": out,
+        "total_cached_tokens": cached,
+        "prefix_cache_hit_rate": cached / inp if inp else 0.0,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": out / duration if duration else 0.0,
         "total_token_throughput": (inp + out) / duration if duration else 0.0,
@@ -246,6 +268,8 @@ def print_summary(s: dict[str, Any]) -> None:
         ("Duration (s)", s["duration_s"]),
         ("Total input tokens", s["total_input_tokens"]),
         ("Total output tokens", s["total_output_tokens"]),
+        ("Cached prompt tokens", s["total_cached_tokens"]),
+        ("Prefix cache hit rate", s["prefix_cache_hit_rate"]),
         ("Request throughput (req/s)", s["request_throughput"]),
         ("Output token throughput (tok/s)", s["output_throughput"]),
         ("Total token throughput (tok/s)", s["total_token_throughput"]),

@@ -19,6 +19,7 @@ from swaserve.engine.scheduler import ScheduledBatch, Scheduler
 from swaserve.memory.groups import build_layout
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager, page_bytes
+from swaserve.memory.radix_cache import build_prefix_cache
 from swaserve.models.blocks import head_dim_of, layer_windows
 from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.sampling.logprobs import compute_logprobs
@@ -68,7 +69,10 @@ class EngineCore:
         self.memory = MemoryManager(
             self.layout, config.page_size, num_pages, watermark_pages=len(self.layout.groups)
         )
-        self.scheduler = Scheduler(self.memory, config.max_num_seqs, config.max_num_batched_tokens)
+        self.cache = build_prefix_cache(config, self.memory, self.kv)
+        self.scheduler = Scheduler(
+            self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache
+        )
         backend = backend_class(config.backend_name())(self.layout, config.page_size, self.device)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
         if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
@@ -164,6 +168,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         batch = self.scheduler.schedule()
+        if self.cache is not None:
+            self.cache.move_pages()  # host loads/stores, then copy-on-write: before any forward
         outputs = [self._aborted(r) for r in batch.rejected]
         if not batch:
             return outputs
@@ -258,7 +264,13 @@ class EngineCore:
         return EngineCoreOutput(req.request_id, [], finish_reason="abort")
 
     def memory_stats(self) -> dict:
-        return self.memory.stats()
+        stats = self.memory.stats()
+        if self.cache is not None:
+            stats.update(self.cache.stats())
+        else:
+            stats.update(dict.fromkeys(("cache_pages", "host_pages", "cache_hit_tokens",
+                                        "evictions", "host_loads"), 0))
+        return stats
 
 
 def _logprob_list(

@@ -4,7 +4,13 @@ prefill + decode steps under one token budget (`max_num_batched_tokens`).
 Each step: running requests first, in admission order (decodes take 1 token, unfinished
 prefills take the next chunk), then waiting requests while the budget, `max_num_seqs` and a
 joint fit of pages in every attention group allow. When a running request cannot get pages,
-the newest running request is preempted (its pages freed, recomputed later); never a crash.
+the prefix cache gives back unlocked pages first (bounded reclaim); only then is the newest
+running request preempted (its pages freed, recomputed later); never a crash.
+
+With the prefix cache, a waiting request starts from its longest valid cached prefix: its
+page tables take the cached pages, `num_computed_tokens` jumps to the hit, and only the rest
+is computed. After each step every running request's computed pages enter the cache, and a
+request that finishes, aborts or is preempted hands its pages to the cache before freeing.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 
 from swaserve.engine.request import Request, RequestStatus
 from swaserve.memory.manager import MemoryManager
+from swaserve.memory.radix_cache import PrefixHit, RadixCache
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +43,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        memory: MemoryManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        cache: RadixCache | None = None,
+    ) -> None:
         self.memory = memory
+        self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -68,9 +82,17 @@ class Scheduler:
         self._finish(req)
 
     def _finish(self, req: Request) -> Request:
-        self.memory.free(req)
+        self._release(req)
         req.status = RequestStatus.FINISHED
         return req
+
+    def _release(self, req: Request) -> None:
+        """Drop the request's pages, after the cache took the ones it computed."""
+        if self.cache is not None:
+            self.cache.insert(req)
+        self.memory.free(req)
+        if self.cache is not None:
+            self.cache.release(req.request_id)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -82,6 +104,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.memory.allocate(req, n):
+                if self.cache is not None and self.cache.evict(self.memory.shortfall(req, n)):
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is req:
@@ -93,8 +117,8 @@ class Scheduler:
             return batch  # memory is tight: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.memory.can_admit(req, n):
+            n = self._admit(req, budget)
+            if n is None:
                 if not self.running:
                     # The pool is empty and still cannot take one chunk: it never will.
                     self.waiting.popleft()
@@ -102,8 +126,6 @@ class Scheduler:
                     log.error("request %s cannot fit in the KV pool; aborted", req.request_id)
                     continue
                 break
-            ok = self.memory.allocate(req, n)
-            assert ok, "can_admit promised a joint fit"
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -111,10 +133,52 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Allocate the first chunk of a waiting request, from its longest cached prefix.
+        Returns the chunk's token count, or None (nothing changed) when it does not fit."""
+        hit = None
+        if self.cache is not None and req.params.prompt_logprobs is None:
+            # Prompt logprobs need every prompt position computed: no hit for those.
+            hit = self.cache.match(req.tokens(0, req.num_tokens), req.num_tokens - 1)
+        n = self._fit(req, hit, budget)
+        if n is None and hit is not None and hit.num_tokens and not self.running:
+            hit = None  # nothing else runs: as a miss it may fit where the hit's pages do not
+            n = self._fit(req, hit, budget)
+        if n is None:
+            return None
+        if self.cache is not None:
+            self.cache.attach(req.request_id, hit or PrefixHit(), req.num_prompt_tokens)
+        if hit is not None and hit.num_tokens:
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = hit.num_tokens
+        ok = self.memory.allocate(req, n)
+        assert ok, "_fit promised a joint fit"
+        return n
+
+    def _fit(self, req: Request, hit: PrefixHit | None, budget: int) -> int | None:
+        """The chunk a waiting request would start with, if its pages fit (joint fit plus the
+        watermark), evicting unlocked cache pages (never the hit's) to make room."""
+        p = hit.num_tokens if hit is not None else 0
+        n = min(req.num_tokens - p, budget)
+        need = self.memory.pages_to_cover(p, p + n) + self.memory.watermark_pages
+        if hit is not None:
+            need += hit.extra_pages
+        short = need - self.memory.pool.num_free
+        if short > 0 and self.cache is not None:
+            if hit is not None:
+                self.cache.lock(hit)
+            try:
+                self.cache.evict(short)
+            finally:
+                if hit is not None:
+                    self.cache.unlock(hit)
+        return n if need <= self.memory.pool.num_free else None
+
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         """Recompute later: drop every page; the request keeps its tokens and goes first."""
         self.running.remove(req)
-        self.memory.free(req)
+        self._release(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -124,5 +188,11 @@ class Scheduler:
         log.info("preempted %s (recompute)", req.request_id)
 
     def retire(self) -> None:
-        """After a step: drop window-dead SWA pages of every running request (CPU only)."""
+        """After a step: computed pages enter the cache, then every running request drops its
+        window-dead SWA pages (CPU only)."""
+        if self.cache is not None:
+            for req in self.running:
+                self.cache.insert(req)
         self.memory.retire_out_of_window(self.running)
+        if self.cache is not None:
+            self.cache.tidy()

@@ -98,6 +98,7 @@ class MemoryManager:
         self._req_refs = [0] * num_pages
         self._group_pages = [0] * len(layout.groups)
         self._external: list[ExternalRefs] = []
+        self._checks: list[Callable[[], None]] = []
         self._pending_copies: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------
@@ -108,6 +109,9 @@ class MemoryManager:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
 
     def num_tokens_allocated(self, request_id: str) -> int:
         """Tokens covered by the request's page tables (0 for an unknown request)."""
@@ -130,6 +134,17 @@ class MemoryManager:
         new = max(old, request.num_computed_tokens + num_new_tokens)
         new_slots = _ceil_div(new, self.page_size) - _ceil_div(old, self.page_size)
         return new_slots * len(self.layout.groups)
+
+    def pages_to_cover(self, num_tokens: int, new_num_tokens: int) -> int:
+        """New pages, summed over groups, to grow tables covering `num_tokens` tokens to
+        `new_num_tokens` (for a request that will attach a prefix of num_tokens first)."""
+        slots = _ceil_div(new_num_tokens, self.page_size) - _ceil_div(num_tokens, self.page_size)
+        return max(0, slots) * len(self.layout.groups)
+
+    def shortfall(self, request: RequestLike, num_new_tokens: int) -> int:
+        """Pages that `allocate(request, num_new_tokens)` lacks (0 if it would succeed)."""
+        needed = self.pages_needed(request, num_new_tokens)
+        return max(0, needed - self._free_after_retire(request))
 
     def can_admit(self, request: RequestLike, num_new_tokens: int) -> bool:
         """Joint fit: pages for every group at once, keeping `watermark_pages` free after.
@@ -248,6 +263,10 @@ class MemoryManager:
         {page: references it holds}. Used by `check_integrity` only."""
         self._external.append(refs)
 
+    def register_integrity_check(self, check: Callable[[], None]) -> None:
+        """Another holder's own invariants, run at the end of `check_integrity`."""
+        self._checks.append(check)
+
     # ---- accounting ----------------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -331,6 +350,8 @@ class MemoryManager:
                 f"group {g.index}: pages_used {self._group_pages[g.index]}, "
                 f"found {per_group[g.index]}"
             )
+        for check in self._checks:
+            check()
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -68,6 +68,23 @@ class Metrics:
             "Prompt tokens looked up in the prefix cache",
             registry=r,
         )
+        # Prefix cache and host tier (DESIGN §3, §4), from the core's memory_stats().
+        self.cache_pages = Gauge(
+            P + "prefix_cache_device_pages", "Device KV pages held by the prefix cache",
+            registry=r,
+        )
+        self.host_pages = Gauge(
+            P + "prefix_cache_host_pages", "Host-tier KV pages held by the prefix cache",
+            registry=r,
+        )
+        self.evictions = Gauge(
+            P + "prefix_cache_evictions", "Pages evicted from the device cache since start",
+            registry=r,
+        )
+        self.host_loads = Gauge(
+            P + "prefix_cache_host_loads", "Pages loaded back from the host tier since start",
+            registry=r,
+        )
         self.core_alive = Gauge(P + "engine_core_alive", "1 while the core runs", registry=r)
         self.core_alive.set(1)
 
@@ -84,6 +101,10 @@ class Metrics:
         self.kv_pages_cache.set(mem.get("pages_held_by_others", 0))
         self.kv_pages_free.set(mem.get("pages_free", 0))
         self.kv_pages_total.set(mem.get("pages_total", 0))
+        self.cache_pages.set(mem.get("cache_pages", 0))
+        self.host_pages.set(mem.get("host_pages", 0))
+        self.evictions.set(mem.get("evictions", 0))
+        self.host_loads.set(mem.get("host_loads", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

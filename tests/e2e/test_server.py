@@ -787,3 +787,25 @@ def test_chat_template_file_then_kill_the_core(tiny_server_factory, tiny_model_f
     assert elapsed < 10, elapsed
     assert statuses <= {503, "refused"} and 503 in statuses, statuses
     assert "engine core is gone" in srv.log() and "SIGKILL" in srv.log()
+
+
+def test_bench_serve_shared_prefix_multi_turn_reports_hits(server, tmp_path):
+    """shared-prefix, multi-turn: later turns resend earlier prompts, so the server's prefix
+    cache serves part of every prompt and the benchmark reports the hit rate and TTFT."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "shared.json"
+    cmd = [
+        sys.executable, "-m", "swaserve.cli", "bench", "serve", "--base-url", server.url,
+        "--api-key", API_KEY, "--dataset", "shared-prefix", "--num-prompts", "8",
+        "--num-turns", "2", "--num-prefixes", "2", "--prefix-len", "120", "--input-len", "8",
+        "--output-len", "2", "--max-concurrency", "2", "--result-file", str(out),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Prefix cache hit rate" in p.stdout and "TTFT" in p.stdout
+    result = json.loads(out.read_text())
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_cached_tokens"] > 0 and 0 < result["prefix_cache_hit_rate"] < 1
+    wait_idle(server)

@@ -1,0 +1,182 @@
+"""The prefix cache inside the engine, on Gemma 3 270M (15 SWA layers of window 512, 3 full):
+greedy outputs identical with the cache on and off, hit sizes, refused hits after SWA
+eviction, the host tier under a device pool far smaller than the working set, and stats.
+
+Prompts are random token ids (no accidental hits from other tests); every prompt length is
+chosen so that its shared prefix ends mid-page (page size 16).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from swaserve import Engine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def gemma_off():
+    return Engine(model="gemma-3-270m", device="cpu", kv_cache_gb=0.5, disable_prefix_cache=True)
+
+
+def _rand(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 30000) for _ in range(n)]
+
+
+def _gen(engine: Engine, prompt: list[int], params: SamplingParams = GREEDY):
+    out = engine.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    engine.core.memory.check_integrity()
+    return out
+
+
+class ComputedTokens:
+    """Counts the tokens the engine computes per request (the scheduler's batches)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.scheduler = engine.core.scheduler
+        self.counts: dict[str, int] = {}
+
+    def __enter__(self) -> ComputedTokens:
+        schedule = self._schedule = self.scheduler.schedule
+
+        def counting():
+            batch = schedule()
+            for req, n in zip(batch.requests, batch.num_new_tokens):
+                self.counts[req.request_id] = self.counts.get(req.request_id, 0) + n
+            return batch
+
+        self.scheduler.schedule = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.scheduler.schedule = self._schedule
+
+    def prompt_tokens(self, num_prompt_tokens: int) -> int:
+        """Tokens computed by the (one) request before its first sampled token."""
+        (n,) = self.counts.values()
+        return n - (GREEDY.max_tokens - 1)  # each later step computes one sampled token
+
+
+@pytest.mark.parametrize("prefix_len", [100, 600, 1500])
+def test_greedy_identical_with_cache_on_and_off(gemma_engine, gemma_off, prefix_len):
+    rng = random.Random(prefix_len)
+    prefix = [2] + _rand(rng, prefix_len - 1)
+    first = prefix + _rand(rng, 20)
+    _gen(gemma_engine, first)  # a miss: it fills the cache
+    cases = [
+        (prefix + _rand(rng, 37), prefix_len),  # the whole prefix, ending mid-page
+        (prefix[: prefix_len // 2 + 3] + _rand(rng, 11), prefix_len // 2 + 3),  # mid-node
+    ]
+    for prompt, shared in cases:
+        on = _gen(gemma_engine, prompt)
+        off = _gen(gemma_off, prompt)
+        assert on.token_ids == off.token_ids, f"shared {shared}"
+        assert off.num_cached_tokens == 0
+        # Mid-node hits need the window before the reuse point: it was never evicted here.
+        assert on.num_cached_tokens == shared
+
+
+def test_second_request_computes_only_the_rest_of_a_finished_prefix(gemma_engine):
+    rng = random.Random(7)
+    prefix = [2] + _rand(rng, 1499)
+    _gen(gemma_engine, prefix + _rand(rng, 30))  # finished before the second one arrives
+    second = prefix + _rand(rng, 25)
+    with ComputedTokens(gemma_engine) as computed:
+        out = _gen(gemma_engine, second)
+    assert out.num_cached_tokens >= 1400
+    assert out.num_cached_tokens == 1500
+    assert computed.prompt_tokens(len(second)) == len(second) - out.num_cached_tokens
+    stats = gemma_engine.memory_stats()
+    assert stats["cache_hit_tokens"] >= 1500 and stats["cache_pages"] > 0
+
+
+def test_hit_refused_when_swa_window_was_evicted(gemma_engine, gemma_off):
+    rng = random.Random(11)
+    first = [2] + _rand(rng, 1199)
+    _gen(gemma_engine, first)
+    cache = gemma_engine.core.cache
+    # Force it: SWA pages outside each node's tail window become tombstones.
+    assert cache.evict(10**9, swa_only=True) > 0
+    gemma_engine.core.memory.check_integrity()
+    mid = first[:800] + _rand(rng, 9)  # keys 289..799 are needed and partly gone
+    on = _gen(gemma_engine, mid)
+    assert on.num_cached_tokens < 800  # a shorter hit or a miss, never a wrong one
+    assert on.token_ids == _gen(gemma_off, mid).token_ids
+    end = first + _rand(rng, 9)  # the branch end kept its window: a full hit there
+    assert _gen(gemma_engine, end).num_cached_tokens == 1200
+
+
+def _conversations(engine: Engine, starts: list[list[int]], turns: list[list[list[int]]]):
+    """Round-robin multi-turn chats: each turn's prompt is the conversation so far plus the
+    new user tokens. Returns (outputs, total cached tokens)."""
+    history = [list(s) for s in starts]
+    outputs, cached = [], 0
+    for turn in turns:
+        for c, user in enumerate(turn):
+            prompt = history[c] + user
+            out = _gen(engine, prompt)
+            outputs.append(out.token_ids)
+            cached += out.num_cached_tokens
+            history[c] = prompt + out.token_ids
+    return outputs, cached
+
+
+def test_host_tier_gives_more_hits_under_device_pressure(gemma_off, tmp_path):
+    rng = random.Random(3)
+    starts = [[2] + _rand(rng, 519) for _ in range(3)]
+    turns = [[_rand(rng, 60) for _ in range(3)] for _ in range(3)]
+    # ~450 device pages: one conversation's cached prefix is ~215 pages, three do not fit.
+    small = dict(model="gemma-3-270m", device="cpu", kv_cache_gb=0.04, max_num_seqs=2)
+    device_only = Engine(**small)
+    ref, _ = _conversations(gemma_off, starts, turns)
+    out_dev, hits_dev = _conversations(device_only, starts, turns)
+    stats_dev = device_only.memory_stats()
+    del device_only
+    with_host = Engine(**small, host_cache_gb=0.25)
+    out_host, hits_host = _conversations(with_host, starts, turns)
+    stats = with_host.memory_stats()
+    assert out_dev == ref and out_host == ref
+    assert stats_dev["evictions"] > 0 and stats_dev["host_pages"] == 0
+    assert stats["host_loads"] > 0 and stats["host_pages"] > 0
+    assert hits_host > hits_dev, (hits_host, hits_dev)
+
+
+def test_disk_tier_and_write_through(gemma_off, tmp_path):
+    rng = random.Random(5)
+    starts = [[2] + _rand(rng, 519) for _ in range(3)]
+    turns = [[_rand(rng, 40) for _ in range(3)] for _ in range(2)]
+    engine = Engine(
+        model="gemma-3-270m",
+        device="cpu",
+        kv_cache_gb=0.04,
+        max_num_seqs=2,
+        host_cache_gb=0.01,
+        host_cache_policy="write_through",
+        disk_cache_dir=str(tmp_path),
+    )
+    ref, _ = _conversations(gemma_off, starts, turns)
+    out, hits = _conversations(engine, starts, turns)
+    stats = engine.memory_stats()
+    assert out == ref and hits > 0
+    assert stats["disk_pages"] > 0 and stats["host_loads"] > 0
+    engine.core.cache.close()
+
+
+def test_disabled_cache_and_stats_names(gemma_off):
+    assert gemma_off.core.cache is None
+    stats = gemma_off.memory_stats()
+    for key in ("cache_pages", "host_pages", "cache_hit_tokens", "evictions", "host_loads"):
+        assert stats[key] == 0
+    with pytest.raises(ValueError, match="host_cache_policy"):
+        Engine(model="gemma-3-270m", device="cpu", kv_cache_gb=0.01, host_cache_policy="x")
+
+
+def test_prompt_logprobs_requests_skip_the_cache(gemma_engine):
+    rng = random.Random(13)
+    prompt = [2] + _rand(rng, 40)
+    _gen(gemma_engine, prompt)
+    out = _gen(gemma_engine, prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(prompt)
