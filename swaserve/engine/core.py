@@ -77,7 +77,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
         if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
             self._capture_graphs(backend)
-        self.sampler = Sampler(eos_token_ids=sorted(self.eos_token_ids))
+        # --seed makes unseeded sampling reproducible run to run (seeded requests use their own)
+        self.sampler = Sampler(eos_token_ids=sorted(self.eos_token_ids), seed=config.seed)
         self.requests: dict[str, Request] = {}
         log.info(
             "KV pool: %d pages of %d tokens (%.2f GB), groups %s",
