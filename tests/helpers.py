@@ -31,3 +31,17 @@ def engine_prompt_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
         core.runner.forward = forward
     hidden = torch.cat(captured)[: len(prompt_ids)]
     return core.runner.logits(hidden)
+
+
+def save_random_hf_model(cfg, folder):
+    """A transformers model of `cfg` with seeded random weights (std 0.2, norms included),
+    saved as a Hugging Face folder; returns the model (eager attention, eval mode)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    return model.eval()

@@ -240,8 +240,9 @@ class MemoryManager:
         """Record page copies src[i] -> dst[i] (copy-on-write of a shared partial page).
 
         Bookkeeping only: no data moves here and no reference changes (the caller already
-        holds both pages). The model runner drains `take_copies()` before the next forward
-        and copies every layer slot of K and V (`KVPool.copy_pages`). Returns the pairs."""
+        holds both pages). The prefix cache drains `take_copies()` in `move_pages` (called by
+        EngineCore.step before the forward) and copies every layer slot of K and V
+        (`KVPool.copy_pages`). Returns the pairs."""
         if len(src) != len(dst):
             raise ValueError(f"copy_pages: {len(src)} sources, {len(dst)} destinations")
         for s, d in zip(src, dst):

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import engine_prompt_logits
+from tests.helpers import engine_prompt_logits, save_random_hf_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,14 +33,8 @@ def tiny(tmp_path_factory):
         ),
     }
     for name, cfg in cfgs.items():
-        torch.manual_seed(0)
-        m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-        with torch.no_grad():
-            for p in m.parameters():
-                p.normal_(0.0, 0.2)
         folder = tmp_path_factory.mktemp(name)
-        m.save_pretrained(folder)
-        out[name] = (folder, m.eval())
+        out[name] = (folder, save_random_hf_model(cfg, folder))
     return out
 
 

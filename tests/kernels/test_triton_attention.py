@@ -377,6 +377,7 @@ def test_triton_backend_prepare_matches_slot_mapping():
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
+    from tests.helpers import save_random_hf_model
     common = dict(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -391,13 +392,8 @@ def tiny_models(tmp_path_factory):
     }
     out = {}
     for name, cfg in configs.items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.2)
         folder = tmp_path_factory.mktemp(name)
-        model.save_pretrained(folder)
+        save_random_hf_model(cfg, folder)
         out[name] = folder
     return out
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import engine_prompt_logits
+from tests.helpers import engine_prompt_logits, save_random_hf_model
 
 COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -48,14 +48,8 @@ def _configs() -> dict:
 def hf_folders(tmp_path_factory):
     out = {}
     for name, cfg in _configs().items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.2)
         folder = tmp_path_factory.mktemp(name)
-        model.save_pretrained(folder)
-        out[name] = (folder, model.eval())
+        out[name] = (folder, save_random_hf_model(cfg, folder))
     return out
 
 
