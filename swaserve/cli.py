@@ -17,10 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
-        hint = str(hints[f.name])
-        if hint == "bool":
+        if hints[f.name] is bool:
             p.add_argument(flag, action="store_true", default=f.default)
             continue
+        hint = str(hints[f.name])
         kind = int if "int" in hint else float if "float" in hint else str
         p.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
 

@@ -28,6 +28,14 @@ class EngineConfig:
     host_cache_gb: float = 0.0
     host_cache_policy: str = "write_back"
     disk_cache_dir: str | None = None
+    disk_cache_gb: float | None = None  # default: min(16 GiB, half the directory's free space)
+    # Every layer keeps a full-length KV (the baseline the window-aware pool is measured
+    # against); attention still uses each layer's window, so outputs do not change.
+    disable_hybrid_kv_cache: bool = False
+    # Schedule and launch step N+1 before reading step N's sampled tokens back (see core.py).
+    disable_overlap_schedule: bool = False
+    # Triton RMSNorm / rotary / activation kernels on CUDA (eager torch elsewhere).
+    disable_fused_ops: bool = False
     cuda_graph_max_bs: int = 128  # CUDA only; 0 disables
     chat_template: str | None = None
     seed: int = 0
@@ -56,6 +64,8 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise bad("kv_cache_gb", "must be > 0")
+        if self.disk_cache_gb is not None and self.disk_cache_gb <= 0:
+            raise bad("disk_cache_gb", "must be > 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
 

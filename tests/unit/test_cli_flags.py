@@ -1,0 +1,22 @@
+"""Engine flags come from EngineConfig's fields: booleans are switches, numbers parse."""
+
+import argparse
+
+from swaserve.cli import add_engine_args, engine_kwargs
+from swaserve.config import EngineConfig
+
+
+def _parse(argv: list[str]) -> EngineConfig:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return EngineConfig(**engine_kwargs(p.parse_args(argv)))
+
+
+def test_bool_flags_are_switches_and_numbers_parse() -> None:
+    cfg = _parse(["--disable-prefix-cache", "--disable-overlap-schedule", "--max-num-seqs", "8",
+                  "--disk-cache-gb", "1.5", "--kv-cache-gb", "2"])
+    assert cfg.disable_prefix_cache is True and cfg.disable_overlap_schedule is True
+    assert cfg.disable_hybrid_kv_cache is False
+    assert cfg.max_num_seqs == 8 and cfg.disk_cache_gb == 1.5 and cfg.kv_cache_gb == 2.0
+    default = _parse([])
+    assert default.disable_prefix_cache is False and default.kv_cache_gb is None
