@@ -54,7 +54,7 @@ class EngineCore:
         )
         self.max_model_len = config.max_model_len or int(hf.max_position_embeddings)
         self.eos_token_ids = eos_token_ids(folder, hf)
-        self.layout = build_layout(layer_windows(hf))
+        self.layout = build_layout(layer_windows(hf), all_full=config.disable_hybrid_kv_cache)
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         bytes_per_page = page_bytes(
