@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,10 @@ import torch
 
 from swaserve.attention import backend_class
 from swaserve.config import EngineConfig
+from swaserve.engine.forward_batch import DeviceTokens
 from swaserve.engine.limits import check_prompt, check_token_ids
 from swaserve.engine.model_runner import ModelRunner
-from swaserve.engine.request import Request
+from swaserve.engine.request import PLACEHOLDER, Request, RequestStatus
 from swaserve.engine.scheduler import ScheduledBatch, Scheduler
 from swaserve.memory.groups import build_layout
 from swaserve.memory.kv_pool import KVPool
@@ -29,6 +31,22 @@ from swaserve.weights.loader import build_model, load_hf_config
 
 log = logging.getLogger(__name__)
 _PROMPT_LOGPROB_ROWS = 256  # rows of [rows, vocab] logits computed at a time
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are enqueued; its tokens are not read back yet."""
+
+    samplers: list[Request]  # requests that sample in this step, row i -> samplers[i]
+    slots: list[int]  # output index of each sampler's placeholder
+    sampled: SamplerOutput | None
+    host: torch.Tensor | None  # token ids, filled by a non-blocking copy
+    event: Any  # torch.cuda.Event recorded after that copy; None on CPU
+
+
+def _needs_history(p: SamplingParams) -> bool:
+    """Penalties read the values of earlier output tokens (placeholders have none)."""
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def eos_token_ids(folder: Path, hf_config: Any) -> frozenset[int]:
@@ -60,7 +78,9 @@ class EngineCore:
         bytes_per_page = page_bytes(
             self.layout, config.page_size, kv_heads, head_dim, kv_dtype.itemsize
         )
-        num_pages = max(2, int(self._kv_bytes() // bytes_per_page))
+        backend = backend_class(config.backend_name())(self.layout, config.page_size, self.device)
+        num_pages = max(2, int(self._kv_bytes(backend, (kv_heads, head_dim), kv_dtype)
+                               // bytes_per_page))
         self.kv = KVPool(
             self.layout, num_pages, config.page_size, kv_heads, head_dim, kv_dtype, self.device
         )
@@ -73,13 +93,16 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache
         )
-        backend = backend_class(config.backend_name())(self.layout, config.page_size, self.device)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
         if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
             self._capture_graphs(backend)
         # --seed makes unseeded sampling reproducible run to run (seeded requests use their own)
         self.sampler = Sampler(eos_token_ids=sorted(self.eos_token_ids), seed=config.seed)
         self.requests: dict[str, Request] = {}
+        self._inflight: _Launched | None = None
+        self._num_history_requests = 0  # live requests whose sampling reads token values
+        self._pinned: list[torch.Tensor | None] = [None, None]  # alternating host buffers
+        self._pinned_turn = 0
         log.info(
             "KV pool: %d pages of %d tokens (%.2f GB), groups %s",
             num_pages,
@@ -118,17 +141,19 @@ class EngineCore:
         graphs.capture()
         self.runner.graphs = graphs
 
-    def _kv_bytes(self) -> float:
+    def _kv_bytes(self, backend: Any, kv_shape: tuple[int, int], kv_dtype: torch.dtype) -> float:
         if self.config.kv_cache_gb is not None:
             return self.config.kv_cache_gb * 2**30
         if self.device.type != "cuda":
             return 2 * 2**30
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        # Leave room for activations of one full step (a rough bound until the profiling
-        # pass of the GPU issue replaces it).
-        act = 64 * self.config.max_num_batched_tokens * self.hf_config.hidden_size * 4
-        return max(0.0, total * self.config.gpu_memory_utilization - used - act)
+        from swaserve.engine.memory_profile import profile_kv_bytes
+
+        c = self.config
+        return profile_kv_bytes(
+            self.model, backend, self.layout, c.page_size, kv_shape, kv_dtype,
+            min(c.max_num_batched_tokens, self.max_model_len), c.max_num_seqs,
+            int(self.hf_config.vocab_size), c.gpu_memory_utilization, self.device,
+        ).kv_bytes
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -155,35 +180,141 @@ class EngineCore:
             generator=gen,
         )
         self.requests[request_id] = req
+        self._num_history_requests += _needs_history(params)
         self.scheduler.add(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            if self.scheduler.abort(rid) is not None:
-                self.requests.pop(rid, None)
+            req = self.scheduler.abort(rid)
+            if req is not None:
+                self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        if self.requests.pop(req.request_id, None) is not None:
+            self._num_history_requests -= _needs_history(req.params)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests queued or running, or a launched step whose tokens are not out yet."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the step -------------------------------------------------------------------------
+    #
+    # Overlap schedule (on unless --disable-overlap-schedule): step N+1 is scheduled and
+    # launched before step N's sampled tokens are read back, so the host's work for N+1 runs
+    # while the device computes N. Until read back, a sampled token is a PLACEHOLDER in
+    # `output_token_ids` (so token counts, page allocation and the scheduler see it) and its
+    # value lives only on the device: the next step's input ids take it from there
+    # (`DeviceTokens`). Invariants:
+    #   - only the latest launched step is in flight; its placeholders are the last output
+    #     token of each request that sampled in it;
+    #   - every computed position holds a real token id by the time `retire()` hands pages
+    #     to the prefix cache (the in-flight step's placeholders are never computed yet);
+    #   - a request that finishes or is aborted while a later step is in flight drops its
+    #     trailing placeholders; that step's token for it is discarded.
+    # Penalties read the token values of the history, so while any live request uses one the
+    # in-flight step is read back before scheduling (no overlap for those steps).
 
     def step(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        if self._inflight is not None and self._num_history_requests:
+            outputs += self._resolve()
         batch = self.scheduler.schedule()
         if self.cache is not None:
             self.cache.move_pages()  # host loads/stores, then copy-on-write: before any forward
-        outputs = [self._aborted(r) for r in batch.rejected]
-        if not batch:
-            return outputs
+        outputs += [self._aborted(r) for r in batch.rejected]
+        launched = self._launch(batch) if batch else None
+        outputs += self._resolve()
+        self._inflight = launched
+        if launched is not None and self.config.disable_overlap_schedule:
+            outputs += self._resolve()
+        if batch:
+            self.scheduler.retire()
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
+        """Enqueue forward + sampling of one batch; nothing here waits for the device."""
         samplers, rows = self._sampling_rows(batch)
-        logits = self.runner.decode_logits(batch, self.memory)
+        fill = self._device_tokens(batch)
+        logits = self.runner.decode_logits(batch, self.memory, fill)
         if logits is None:
-            fb = self.runner.prepare(batch, self.memory)
+            fb = self.runner.prepare(batch, self.memory, fill)
             hidden = self.runner.forward(fb)
             if samplers:
                 logits = self.runner.logits(hidden[torch.tensor(rows, device=self.device)])
             self._prompt_logprobs(batch, hidden)
-        sampled = self.sampler(logits, [self._row(r) for r in samplers]) if samplers else None
-        return outputs + self._postprocess(batch, samplers, sampled)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        if not samplers:
+            return _Launched(samplers, [], None, None, None)
+        sampled = self.sampler(logits, [self._row(r) for r in samplers])
+        slots = []
+        for req in samplers:
+            slots.append(len(req.output_token_ids))
+            req.output_token_ids.append(PLACEHOLDER)
+        host, event = self._copy_to_host(sampled.token_ids)
+        return _Launched(samplers, slots, sampled, host, event)
+
+    def _copy_to_host(self, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The one device-to-host copy of a step, into pinned memory, with an event to wait on
+        (the tensor itself on CPU)."""
+        if ids.device.type != "cuda":
+            return ids, None
+        self._pinned_turn ^= 1
+        buf = self._pinned[self._pinned_turn]
+        if buf is None or buf.numel() < ids.numel():
+            buf = torch.empty(max(ids.numel(), 256), dtype=ids.dtype, pin_memory=True)
+            self._pinned[self._pinned_turn] = buf
+        host = buf[: ids.numel()]
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _device_tokens(self, batch: ScheduledBatch) -> DeviceTokens | None:
+        """Input positions whose token is a placeholder of the in-flight step."""
+        inflight = self._inflight
+        if inflight is None or inflight.sampled is None:
+            return None
+        row_of = {id(r): i for i, r in enumerate(inflight.samplers)}
+        dst, src, offset = [], [], 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            offset += n
+            i = row_of.get(id(req))
+            # Only the last token can be pending, and only if this chunk reaches it.
+            if i is not None and req.num_computed_tokens + n == inflight.slots[i] + 1 + len(
+                req.prompt_token_ids
+            ):
+                dst.append(offset - 1)
+                src.append(i)
+        if not dst:
+            return None
+        return DeviceTokens(dst, src, inflight.sampled.token_ids)
+
+    def _resolve(self) -> list[EngineCoreOutput]:
+        """Read the in-flight step's tokens back and finish its requests' bookkeeping."""
+        launched, self._inflight = self._inflight, None
+        if launched is None or launched.sampled is None:
+            return []
+        if launched.event is not None:
+            launched.event.synchronize()
+        tokens = launched.host.tolist()
+        sampled = launched.sampled
+        lps = None
+        if sampled.logprobs is not None:
+            lps = _logprob_list(
+                sampled.logprobs, sampled.ranks, sampled.topk_ids, sampled.topk_logprobs, tokens
+            )
+        outputs = []
+        for i, req in enumerate(launched.samplers):
+            if req.status is RequestStatus.FINISHED:
+                continue  # finished or aborted while this step was in flight
+            outputs.append(
+                self._accept_token(req, launched.slots[i], tokens[i], lps[i] if lps else None)
+            )
+        return outputs
+
+    def has_in_flight(self) -> bool:
+        return self._inflight is not None
 
     def _sampling_rows(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
         """Requests whose new tokens reach the end of their known tokens sample one more."""
@@ -216,27 +347,11 @@ class EngineCore:
                     req.prompt_logprobs += _logprob_list(*compute_logprobs(logits, target, k), ids)
             offset += n
 
-    def _postprocess(
-        self, batch: ScheduledBatch, samplers: list[Request], sampled: SamplerOutput | None
-    ) -> list[EngineCoreOutput]:
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-        outputs: list[EngineCoreOutput] = []
-        if sampled is not None:
-            # The one device-to-host copy of the step (plus logprobs when asked for).
-            tokens = sampled.token_ids.tolist()
-            lps = None
-            if sampled.logprobs is not None:
-                lps = _logprob_list(
-                    sampled.logprobs, sampled.ranks, sampled.topk_ids, sampled.topk_logprobs, tokens
-                )
-            for i, req in enumerate(samplers):
-                outputs.append(self._append_token(req, tokens[i], lps[i] if lps else None))
-        self.scheduler.retire()
-        return outputs
-
-    def _append_token(self, req: Request, token: int, lp: Logprob | None) -> EngineCoreOutput:
-        req.output_token_ids.append(token)
+    def _accept_token(
+        self, req: Request, slot: int, token: int, lp: Logprob | None
+    ) -> EngineCoreOutput:
+        """Token `token` replaces the placeholder at output index `slot`; stop checks."""
+        req.output_token_ids[slot] = token
         p = req.params
         out = EngineCoreOutput(req.request_id, [token], num_cached_tokens=req.num_cached_tokens)
         if p.logprobs is not None and lp is not None:
@@ -245,23 +360,30 @@ class EngineCore:
         if not req.prompt_logprobs_sent:
             req.prompt_logprobs_sent = True
             out.prompt_logprobs = req.prompt_logprobs
-        n_out = len(req.output_token_ids)
+        n_out = slot + 1
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 out.finish_reason = "stop"
             elif token in p.stop_token_ids:
                 out.finish_reason, out.stop_reason = "stop", token
         if out.finish_reason is None and (
-            n_out >= req.max_tokens or req.num_tokens >= self.max_model_len
+            n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len
         ):
             out.finish_reason = "length"
         if out.finish_reason is not None:
-            self.scheduler.finish(req)
-            self.requests.pop(req.request_id, None)
+            del req.output_token_ids[n_out:]  # placeholders of a step still in flight
+            self._finish(req)
         return out
 
+    def _finish(self, req: Request) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.scheduler.finish(req)
+        else:  # preempted while its last step was in flight: it waits in the queue
+            self.scheduler.abort(req.request_id)
+        self._forget(req)
+
     def _aborted(self, req: Request) -> EngineCoreOutput:
-        self.requests.pop(req.request_id, None)
+        self._forget(req)
         return EngineCoreOutput(req.request_id, [], finish_reason="abort")
 
     def memory_stats(self) -> dict:

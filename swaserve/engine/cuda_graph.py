@@ -26,7 +26,7 @@ from swaserve.attention.kernels.paged_attention import (
     choose_num_splits,
 )
 from swaserve.attention.triton_backend import TritonBackend, TritonGroupMetadata, TritonMetadata
-from swaserve.engine.forward_batch import ForwardBatch
+from swaserve.engine.forward_batch import DeviceTokens, ForwardBatch
 from swaserve.memory.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -126,27 +126,32 @@ class DecodeGraphs:
         token_ids: list[int],
         positions: list[int],
         page_tables: list[list[list[int]]],  # [request][group] -> pages
+        fill: DeviceTokens | None = None,  # token ids still on the device
     ) -> torch.Tensor:
         """Logits `[n, vocab]` (float32) of one decode step for n <= max_bs requests."""
         n = len(token_ids)
         bs = self.bucket(n)
         ps = self.page_size
-        host_ids = torch.zeros(bs, dtype=torch.int64)
-        host_ids[:n] = torch.tensor(token_ids)
-        host_pos = torch.zeros(bs, dtype=torch.int64)
-        host_pos[:n] = torch.tensor(positions)
-        seq = torch.ones(bs, dtype=torch.int32)
-        seq[:n] = host_pos[:n].to(torch.int32) + 1
-        self.input_ids[:bs].copy_(host_ids, non_blocking=True)
-        self.positions[:bs].copy_(host_pos, non_blocking=True)
+        pad = [0] * (bs - n)
+        # Plain lists, one host tensor per kind: per-row torch calls cost more than the step.
+        head = torch.tensor([token_ids + pad, positions + pad], dtype=torch.int64)
+        self.input_ids[:bs].copy_(head[0], non_blocking=True)
+        self.positions[:bs].copy_(head[1], non_blocking=True)
+        seq = torch.tensor([p + 1 for p in positions] + [1] * (bs - n), dtype=torch.int32)
         self.seq_lens[:bs].copy_(seq, non_blocking=True)
+        if fill is not None:
+            fill.apply(self.input_ids)
         for g in range(len(self.tables)):
-            width = max(len(pt[g]) for pt in page_tables)
-            table = torch.zeros(bs, width, dtype=torch.int32)
-            for r, pt in enumerate(page_tables):
-                table[r, : len(pt[g])] = torch.tensor(pt[g], dtype=torch.int32)
-            slots = torch.full((bs,), -1, dtype=torch.int64)
-            slots[:n] = table[torch.arange(n), host_pos[:n] // ps].long() * ps + host_pos[:n] % ps
+            rows = [pt[g] for pt in page_tables]
+            width = max(len(r) for r in rows)
+            table = torch.tensor(
+                [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * (bs - n),
+                dtype=torch.int32,
+            )
+            slots = torch.tensor(
+                [r[p // ps] * ps + p % ps for r, p in zip(rows, positions)] + [-1] * (bs - n),
+                dtype=torch.int64,
+            )
             # Entries past `width` keep stale page ids from earlier steps: the kernel never
             # reads past a request's seq_len, so they are harmless.
             self.tables[g][:bs, :width].copy_(table, non_blocking=True)

@@ -181,6 +181,8 @@ class Engine:
                             bar.update(1)
                 if not self.core.has_unfinished() and len(done) < len(rids):
                     raise RuntimeError("engine stopped with requests unfinished")
+            if self.core.has_in_flight() and not self.core.scheduler.has_unfinished():
+                self.core.step()  # the overlap's last step: only finished requests, dropped
         finally:
             if bar is not None:
                 bar.close()

@@ -20,3 +20,19 @@ class ForwardBatch:
     backend: AttentionBackend
     metadata: Any  # the backend's own dataclass (see attention/*_backend.py)
     kv: KVPool
+
+
+@dataclass
+class DeviceTokens:
+    """Input ids that exist only on the device: `input_ids[dst[i]] = ids[rows[i]]`, where
+    `ids` are the sampled tokens of the step still in flight (the overlap schedule)."""
+
+    dst: list[int]
+    rows: list[int]
+    ids: torch.Tensor
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        idx = torch.tensor([self.dst, self.rows], dtype=torch.int64).to(
+            input_ids.device, non_blocking=True
+        )
+        input_ids[idx[0]] = self.ids[idx[1]]

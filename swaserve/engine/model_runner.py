@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from swaserve.attention.base import AttentionBackend, AttentionInputs
-from swaserve.engine.forward_batch import ForwardBatch
+from swaserve.engine.forward_batch import DeviceTokens, ForwardBatch
 from swaserve.engine.scheduler import ScheduledBatch
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager
@@ -23,7 +23,9 @@ class ModelRunner:
         self.device = device
         self.graphs = None  # DecodeGraphs once captured (swaserve/engine/cuda_graph.py)
 
-    def decode_logits(self, batch: ScheduledBatch, memory: MemoryManager) -> torch.Tensor | None:
+    def decode_logits(
+        self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None
+    ) -> torch.Tensor | None:
         """Logits of a pure decode step through a captured CUDA graph, or None when the step
         does not qualify (graphs off, a prefill chunk in the batch, or too many requests)."""
         g = self.graphs
@@ -36,9 +38,13 @@ class ModelRunner:
             [r.tokens(r.num_computed_tokens, r.num_tokens)[0] for r in reqs],
             [r.num_computed_tokens for r in reqs],
             [memory.page_table(r.request_id) for r in reqs],
+            fill,
         )
 
-    def prepare(self, batch: ScheduledBatch, memory: MemoryManager) -> ForwardBatch:
+    def prepare(
+        self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None
+    ) -> ForwardBatch:
+        """`fill`: input ids still on the device (placeholders of the step in flight)."""
         ids: list[int] = []
         pos: list[int] = []
         ctx_lens: list[int] = []
@@ -52,8 +58,11 @@ class ModelRunner:
             context_lens=ctx_lens,
             page_tables=[memory.page_table(r.request_id) for r in batch.requests],
         )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if fill is not None:
+            fill.apply(input_ids)
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
+            input_ids=input_ids,
             positions=torch.tensor(pos, dtype=torch.int64).to(self.device, non_blocking=True),
             backend=self.backend,
             metadata=self.backend.prepare(inputs),

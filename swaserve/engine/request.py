@@ -16,6 +16,10 @@ import torch
 from swaserve.outputs import Logprob
 from swaserve.sampling.params import SamplingParams
 
+# An output token sampled by a step still in flight: its value is only on the device yet
+# (see the overlap schedule in swaserve/engine/core.py). Never a valid token id.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
