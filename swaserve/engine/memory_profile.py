@@ -1,0 +1,109 @@
+"""KV pool sizing on CUDA from a profiling pass (`--gpu-memory-utilization`), as vLLM does.
+
+With the weights loaded and no KV pool yet, one forward of the largest step the scheduler can
+build (`max_num_batched_tokens` prompt tokens, over a scratch pool just big enough) plus the
+logits and sampling temporaries of `max_num_seqs` rows gives the activation peak. Then
+
+    kv_bytes = total * utilization - weights - activation peak - memory outside torch - reserve
+
+where "outside torch" is what the device uses beyond PyTorch's allocator (CUDA context,
+cuBLAS workspaces, other processes) and `reserve` covers the decode CUDA graphs' private
+pool and split-KV scratch, which are allocated after the pool. The numbers are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from swaserve.attention.base import AttentionBackend, AttentionInputs
+from swaserve.engine.forward_batch import ForwardBatch
+from swaserve.memory.groups import GroupLayout
+from swaserve.memory.kv_pool import KVPool
+
+log = logging.getLogger(__name__)
+GRAPH_RESERVE_BYTES = 512 * 2**20  # decode graphs' pool and split-KV partials, beyond logits
+
+
+@dataclass
+class MemoryProfile:
+    total: int
+    weights: int
+    activation_peak: int
+    outside_torch: int
+    reserve: int
+    kv_bytes: int
+
+    def describe(self) -> str:
+        gb = 2**30
+        return (
+            f"total {self.total / gb:.1f} GiB: weights {self.weights / gb:.2f}, activation peak "
+            f"{self.activation_peak / gb:.2f}, outside torch {self.outside_torch / gb:.2f}, "
+            f"reserve {self.reserve / gb:.2f} -> KV {self.kv_bytes / gb:.2f} GiB"
+        )
+
+
+@torch.inference_mode()
+def profile_kv_bytes(
+    model: nn.Module,
+    backend: AttentionBackend,
+    layout: GroupLayout,
+    page_size: int,
+    kv_shape: tuple[int, int],  # (num_kv_heads, head_dim)
+    kv_dtype: torch.dtype,
+    num_tokens: int,
+    num_seqs: int,
+    vocab_size: int,
+    utilization: float,
+    device: torch.device,
+) -> MemoryProfile:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+
+    pages_per_group = math.ceil(num_tokens / page_size)
+    scratch = KVPool(
+        layout, 1 + pages_per_group * layout.num_groups, page_size, *kv_shape, kv_dtype, device
+    )
+    table = [
+        list(range(1 + g * pages_per_group, 1 + (g + 1) * pages_per_group))
+        for g in range(layout.num_groups)
+    ]
+    inputs = AttentionInputs(query_lens=[num_tokens], context_lens=[0], page_tables=[table])
+    fb = ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        backend=backend,
+        metadata=backend.prepare(inputs),
+        kv=scratch,
+    )
+    hidden = model(fb)
+    rows = min(num_seqs, num_tokens)
+    logits = model.compute_logits(hidden[-rows:]).float()
+    # Sampling temporaries: softmax, a sorted copy and its indices for top-p, per row.
+    probs = torch.softmax(logits, dim=-1)
+    _sorted = torch.sort(probs, dim=-1)
+    torch.cuda.synchronize(device)
+    scratch_bytes = scratch.kv.numel() * kv_dtype.itemsize
+    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes
+    del fb, hidden, logits, probs, _sorted, scratch
+    torch.cuda.empty_cache()
+
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    reserve = GRAPH_RESERVE_BYTES + 2 * num_seqs * vocab_size * 4
+    kv = int(total * utilization - weights - peak - outside - reserve)
+    profile = MemoryProfile(total, weights, peak, outside, reserve, max(0, kv))
+    log.info("memory profile: %s", profile.describe())
+    if kv <= 0:
+        raise RuntimeError(
+            f"no memory left for the KV cache ({profile.describe()}); raise "
+            "--gpu-memory-utilization, lower --max-num-batched-tokens / --max-num-seqs, or "
+            "give --kv-cache-gb"
+        )
+    return profile
