@@ -1,13 +1,17 @@
 """Reference attention over the paged pool, in plain torch, for any device.
 
-Per request and group, `prepare` gathers the flat slots of the keys the request's queries can
-see: from the window start of its first query, `max(0, context_len - window + 1)` (0 for full
-layers), to its last new token. Slots below that start may be retired (NULL) and are never read.
+Per request and group, `prepare` gathers the flat slots of the keys the group keeps: from the
+group's window start of the request's first query, `max(0, context_len - window + 1)` (0 for
+full groups), to its last new token. Slots below that start may be retired (NULL) and are never
+read. Each layer then attends with its own window (`spec.window`), not its group's: a sliding
+layer in a full group (`disable_hybrid_kv_cache`, every layer keeps its whole KV) still sees
+only `q - window < k <= q`. `forward` takes that layer's key range as a suffix of the group's
+slots and builds its mask once per step and window (cached on the metadata).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,8 +23,34 @@ from swaserve.models.blocks import AttentionSpec
 @dataclass
 class TorchGroupMetadata:
     slot_mapping: torch.Tensor  # [T] flat slots of the new tokens
-    kv_slots: list[torch.Tensor]  # per request: flat slots of the visible keys
-    masks: list[torch.Tensor]  # per request: [q_len, num_keys] bool, True = may attend
+    kv_slots: list[torch.Tensor]  # per request: flat slots of the keys the group keeps
+    key_start: list[int]  # per request: position of kv_slots[r][0]
+    context_lens: list[int]  # per request: position of its first new token
+    seq_lens: list[int]  # per request: context + new tokens
+    device: torch.device
+    # (request, layer window) -> (visible slots, [q_len, num_keys] bool mask, True = may attend)
+    _views: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+
+    def visible(self, r: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots and mask of request r's keys for a layer of `window` (None: full attention)."""
+        key = (r, window)
+        if key not in self._views:
+            ctx, end, kept = self.context_lens[r], self.seq_lens[r], self.key_start[r]
+            start = 0 if window is None else max(0, ctx - window + 1)
+            if start < kept:
+                raise ValueError(
+                    f"a layer of window {window} in a group that keeps keys from {kept} only "
+                    f"(request {r}, context {ctx}): its group's window is narrower"
+                )
+            qpos = torch.arange(ctx, end)[:, None]
+            kpos = torch.arange(start, end)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+            self._views[key] = (self.kv_slots[r][start - kept :], mask.to(self.device))
+        return self._views[key]
 
 
 @dataclass
@@ -35,23 +65,22 @@ class TorchBackend(AttentionBackend):
         qsl = [0]
         for n in inputs.query_lens:
             qsl.append(qsl[-1] + n)
+        ctxs = list(inputs.context_lens)
+        ends = [c + n for c, n in zip(ctxs, inputs.query_lens)]
         groups = []
         for g, group in enumerate(self.layout.groups):
-            new_slots, kv_slots, masks = [], [], []
-            for r, (n, ctx) in enumerate(zip(inputs.query_lens, inputs.context_lens)):
+            new_slots, kv_slots, starts = [], [], []
+            for r, (ctx, end) in enumerate(zip(ctxs, ends)):
                 table = inputs.page_tables[r][g]
-                end = ctx + n
                 new_slots.append(slot_mapping(table, ctx, end, ps))
                 start = 0 if group.window is None else max(0, ctx - group.window + 1)
                 kv_slots.append(slot_mapping(table, start, end, ps).to(self.device))
-                qpos = torch.arange(ctx, end)[:, None]
-                kpos = torch.arange(start, end)[None, :]
-                mask = kpos <= qpos
-                if group.window is not None:
-                    mask &= kpos > qpos - group.window
-                masks.append(mask.to(self.device))
+                starts.append(start)
             groups.append(
-                TorchGroupMetadata(torch.cat(new_slots).to(self.device), kv_slots, masks)
+                TorchGroupMetadata(
+                    torch.cat(new_slots).to(self.device), kv_slots, starts, ctxs, ends,
+                    self.device,
+                )
             )
         return TorchMetadata(qsl, groups)
 
@@ -70,9 +99,10 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         qsl = meta.query_start_loc
         for r in range(len(qsl) - 1):
-            keys, vals = fb.kv.read(spec.layer_id, gm.kv_slots[r])
+            slots, mask = gm.visible(r, spec.window)  # the layer's window, not the group's
+            keys, vals = fb.kv.read(spec.layer_id, slots)
             out[qsl[r] : qsl[r + 1]] = attend(
-                q[qsl[r] : qsl[r + 1]], keys, vals, gm.masks[r], spec.scale, spec.softcap, sinks
+                q[qsl[r] : qsl[r + 1]], keys, vals, mask, spec.scale, spec.softcap, sinks
             )
         return out
 

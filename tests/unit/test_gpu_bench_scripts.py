@@ -1,0 +1,59 @@
+"""The GPU benchmark scripts run end to end in their tiny mode (CPU: tiny random models, a few
+requests): correctness check, both engines, JSON log, markdown table printed last."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _table(out: str) -> list[str]:
+    lines = out.strip().splitlines()
+    assert lines[-1].startswith("| ") and lines[-1].endswith(" |"), lines[-3:]
+    return [ln for ln in lines if ln.startswith("|")]
+
+
+def test_window_vs_full_tiny(tmp_path, capsys):
+    rc = _script("window_vs_full").main(["--tiny", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = _table(capsys.readouterr().out)
+    assert rows[2].startswith("| window-aware") and rows[3].startswith("| all-full")
+    rec = json.loads((tmp_path / "window_vs_full.json").read_text())
+    assert rec["correctness"]["passed"]
+    aware, full = rec["results"]["window-aware"], rec["results"]["all-full"]
+    assert full["groups"] == [["full", None, 6]]
+    assert len(aware["groups"]) > 1
+    assert aware["max_concurrent"] > full["max_concurrent"] >= 1
+    assert aware["bytes_per_request"] < full["bytes_per_request"]
+    for r in (aware, full):
+        assert r["output_tokens"] == rec["num_requests"] * rec["new_tokens"]
+        assert r["output_tok_s"] > 0 and r["peak_running"] >= 1
+
+
+def test_fp8_vs_bf16_tiny(tmp_path, capsys):
+    rc = _script("fp8_vs_bf16").main(["--tiny", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = _table(capsys.readouterr().out)
+    assert rows[2].startswith("| bf16") and rows[3].startswith("| fp8_e4m3")
+    rec = json.loads((tmp_path / "fp8_vs_bf16.json").read_text())
+    check = rec["correctness"]
+    assert 0 <= check["match_rate"] <= 1 and check["tokens_total"] == 4 * 32
+    bf16, fp8 = rec["results"]["bf16"], rec["results"]["fp8_e4m3"]
+    assert (bf16["kv_dtype"], fp8["kv_dtype"]) == ("bfloat16", "float8_e4m3fn")
+    assert fp8["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"]
+    assert rec["ratios_fp8_over_bf16"]["capacity_tokens"] >= 1.9 and rec["capacity_target_met"]
+    assert fp8["max_concurrent"] > bf16["max_concurrent"]
+    for r in (bf16, fp8):
+        assert r["output_tokens"] == rec["num_requests"] * rec["new_tokens"]
