@@ -34,10 +34,19 @@ block's key tiles and writes an unnormalised partial (acc, m, l) per row; `_redu
 merges them (and adds the sink term once). Chosen by `choose_num_splits`.
 
 FP8 KV (float8_e4m3fn): the pool stores round(x / scale); loads convert to the dot dtype and
-the per-layer scales are folded into the score scale (k_scale) and the output (v_scale).
+the per-layer scales are folded into the score scale (k_scale) and the output (v_scale). With
+bf16 queries the dots run in float16 (`DOT_F16`, `AttentionConfig.fp8_fp16_dot`; every tile but
+prefill at head_dim > 128): q is converted once per program, K/V tiles e4m3 -> f16 (exact:
+|x| <= 448, 3 mantissa bits), p is rounded to fp16 for the PV dot (finer than bf16 on [0, 1]);
+scores and the accumulator stay fp32. A bf16 query is exact in fp16 for 2^-17 <= |q| <= 65504
+(smaller values lose low bits as subnormals, larger ones saturate). On sm_90 e4m3 -> f16 is one
+packed conversion per two values and e4m3 -> bf16 three (by the instruction counts, what held
+the bf16-dot path at half the memory bandwidth). V tiles are converted in registers before
+their shared-memory staging (`_e4m3_to_f16`).
 
 Under TRITON_INTERPRET=1 (CPU tests) the interpreter cannot multiply bf16/fp16 tiles (they are
-raw uint16 there), so dots run in float32 (`DOT_F32`); on GPU they run in the input dtype.
+raw uint16 there), so dots run in float32 (`DOT_F32`; q still goes through the fp16 rounding of
+`DOT_F16`); on GPU they run in the input dtype (fp16 for an fp8 cache, see above).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+FP8 = torch.float8_e4m3fn
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256  # a split below this spends more on the merge than it saves
 CPU_NUM_SMS = 132  # H200: on CPU (interpreter) the heuristics behave as on the target GPU
@@ -66,26 +76,67 @@ def _interpreting() -> bool:
 
 @dataclass(frozen=True)
 class AttentionConfig:
+    """Launch configuration of `_paged_attn_kernel`; `attention_config` picks it, benchmarks and
+    tuning sweeps pass their own to `paged_attention(config=...)`.
+
+    num_stages: every K/V tile address goes through a block-table load, one more level of
+    indirection for Triton's pipeliner, which splits the depth between the two: in the sm_90
+    compile (Triton 3.6) num_stages 2, 3 and 4 all give K and V one shared-memory buffer (tile
+    t + 1 is fetched while tile t is computed only once t's operands are read), 5 gives two
+    buffers and 7 three, at more registers."""
+
     block_m: int  # rows per program: block_q queries x g_pad heads
     block_q: int
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    # fp8 (e4m3) cache only. Dots in float16 when the queries are bf16 (else in bf16: e4m3 ->
+    # bf16 takes three conversions per two values on sm_90, e4m3 -> f16 one).
+    fp8_fp16_dot: bool = True
+    # With fp16 dots on the GPU: convert V tiles in registers before their shared-memory staging
+    # (`_e4m3_to_f16`), else after it (Triton's choice for `.to`: byte-wise shared loads).
+    fp8_v_cvt_regs: bool = True
 
 
-def attention_config(head_dim: int, group: int, max_query_len: int) -> AttentionConfig:
+# FP8 decode tiles (block_n, num_warps, num_stages), for block_m <= 32. NOT MEASURED yet
+# (benchmarks/fp8_attention_sweep.py measures the alternatives); chosen from the sm_90 compile
+# of the kernel (Triton 3.6 + ptxas, no GPU) at H32/Hkv8, D128, decode, fp16 dots, V converted
+# in registers: 64/4/2 needs 114 registers (4 CTAs per SM as the bf16 decode tile, so B=64 x 8
+# KV heads x 2 splits = 1024 programs fill 1.94 waves) and its main loop issues ~25 warp
+# instructions per key (bf16: 23 per key for twice the bytes; the old fp8 path with bf16 dots:
+# 46, a third of them slow conversions; fp16 dots with V staged as fp8: 35). 128/4/2 issues
+# fewer (19.5 per key) and keeps twice the bytes per tile in flight, but at 166 registers only
+# 3 CTAs fit (2.6 waves at B=64); 5 stages double-buffer K/V at 148 registers (3 CTAs).
+FP8_DECODE_TILE = (64, 4, 2)
+
+
+def attention_config(
+    head_dim: int, group: int, max_query_len: int, kv_dtype: torch.dtype | None = None
+) -> AttentionConfig:
     """Tile sizes for the GPU, used unchanged on CPU.
 
     BLOCK_M grows with the longest query run of the batch (16 rows for decode, up to 128 for
     prefill); BLOCK_N is 64 keys (4 pages of 16). Measured on H200, bf16, H32/Hkv8, D128: causal
     prefill of 8k tokens at ~350 TFLOP/s (SDPA flash: ~550), decode B=64 x 4k keys reading K/V at
     ~3.9 TB/s; 8 warps and 2 stages beat 4 warps or 3 stages; at D=256 (H8/Hkv4) 128x64 gave
-    245 TFLOP/s against 194 for 128x32. (`head_dim` is kept for per-D tuning.)"""
+    245 TFLOP/s against 194 for 128x32. (`head_dim` is kept for per-D tuning.) An fp8 cache
+    (`kv_dtype`) takes `FP8_DECODE_TILE` for decode-sized blocks (block_m <= 32)."""
     g_pad = triton.next_power_of_2(group)
     block_m = min(128, max(16, triton.next_power_of_2(max(1, max_query_len) * g_pad)))
     block_m = max(block_m, g_pad)
-    num_warps = 4 if block_m <= 32 else 8
-    return AttentionConfig(block_m, block_m // g_pad, 64, num_warps, num_stages=2)
+    block_n, num_warps, num_stages = 64, 4 if block_m <= 32 else 8, 2
+    if kv_dtype == FP8 and block_m <= 32:
+        block_n, num_warps, num_stages = FP8_DECODE_TILE
+    # Prefill tiles (wgmma) take the fp16-converted q as a register operand: at D=256 that
+    # spills inside the key loop (sm_90 compile), so those keep bf16 dots.
+    fp16_dot = block_m <= 32 or head_dim <= 128
+    return AttentionConfig(block_m, block_m // g_pad, block_n, num_warps, num_stages, fp16_dot)
+
+
+@functools.lru_cache(maxsize=8)
+def _has_fp8_cvt(device: torch.device) -> bool:
+    """Whether the device has the packed e4m3 -> f16 conversion (sm_89+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @functools.lru_cache(maxsize=8)
@@ -141,6 +192,24 @@ def _find_seq(qsl_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_to_f16(x):
+    """float8_e4m3fn -> float16, exact: the packed sm_89+ conversion (one `cvt` per two values)
+    as inline PTX marked impure, which Triton cannot sink past the tile's shared-memory staging
+    as it does `.to(tl.float16)`. So a V tile is converted in the registers of its coalesced
+    load and staged as fp16 (read back with transposing ldmatrix), instead of being staged as
+    fp8 and gathered byte by byte into the dot operand (which pairs keys a row apart)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 a<2>; mov.b32 {a0, a1}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, a0; cvt.rn.f16x2.e4m3x2 $1, a1; }",
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _attn_tile(
     t, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window,
     qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp, stride_ko, stride_kh, stride_vp,
@@ -152,6 +221,7 @@ def _attn_tile(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    V_CVT_F16: tl.constexpr,
 ):
     """One key tile t of the online softmax: keys t * BLOCK_N + [0, BLOCK_N), read iff in
     [lo, last]; returns the updated (m_i, l_i, acc). With MASKED False the caller guarantees
@@ -198,7 +268,10 @@ def _attn_tile(
         v = tl.load(v_cache_ptr + v_offs[:, None] + d[None, :])
     else:
         v = tl.load(v_cache_ptr + v_offs[:, None] + d[None, :], mask=v_mask, other=0.0)
-    v = v.to(q.dtype)  # [BLOCK_N, D_PAD]
+    if V_CVT_F16:
+        v = _e4m3_to_f16(v)  # [BLOCK_N, D_PAD], q is fp16
+    else:
+        v = v.to(q.dtype)  # [BLOCK_N, D_PAD]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -215,6 +288,7 @@ def _attn_tiles(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    V_CVT_F16: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Tiles [t_begin, t_end) in order (none when t_end <= t_begin)."""
@@ -226,7 +300,7 @@ def _attn_tiles(
                 t, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d,
                 d_valid, window, qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp,
                 stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE, BLOCK_N,
-                D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
+                D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
             )
             t += 1
     else:
@@ -235,7 +309,7 @@ def _attn_tiles(
                 t, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d,
                 d_valid, window, qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp,
                 stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE, BLOCK_N,
-                D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
+                D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
             )
     return m_i, l_i, acc
 
@@ -281,8 +355,10 @@ def _paged_attn_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DOT_F16: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    V_CVT_F16: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -308,6 +384,10 @@ def _paged_attn_kernel(
 
     q_offs = (q_start + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_F16:
+        # fp8 cache: dots in float16 (module docstring); a bf16 query is exact in fp16
+        # down to 2^-17, the rare |q| > 65504 saturates instead of turning into inf
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     if DOT_F32:
         q = q.to(tl.float32)
     qpos = ctx + qi
@@ -350,20 +430,22 @@ def _paged_attn_kernel(
         t_begin, tl.minimum(full_lo, t_end), q, qpos, lo, last, m_i, l_i, acc, bt_row,
         k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
         kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE,
-        BLOCK_N, HEAD_DIM == D_PAD, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, INTERPRET,
+        BLOCK_N, HEAD_DIM == D_PAD, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
+        INTERPRET,
     )
     m_i, l_i, acc = _attn_tiles(
         tl.maximum(full_lo, t_begin), tl.minimum(full_hi, t_end), q, qpos, lo, last, m_i,
         l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2,
         cap_scale, cap_log2, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo,
         stride_vh, PAGE_SIZE, BLOCK_N, HEAD_DIM == D_PAD, False, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, INTERPRET,
+        DOT_PRECISION, V_CVT_F16, INTERPRET,
     )
     m_i, l_i, acc = _attn_tiles(
         tl.maximum(full_hi, t_begin), t_end, q, qpos, lo, last, m_i, l_i, acc, bt_row,
         k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
         kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE,
-        BLOCK_N, HEAD_DIM == D_PAD, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, INTERPRET,
+        BLOCK_N, HEAD_DIM == D_PAD, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
+        INTERPRET,
     )
 
     store_mask = row_valid[:, None] & d_valid[None, :]
@@ -441,6 +523,7 @@ def paged_attention(
     v_scale: float = 1.0,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention; returns `[T, H, D]` in q's dtype.
 
@@ -450,6 +533,8 @@ def paged_attention(
     `max_query_len` and `max_seq_len` pick tile sizes and splits without a device sync.
     window 0 = full attention, softcap 0 = none, sinks `[H]` (any float dtype) or None.
     `num_splits` None = `choose_num_splits`; an explicit value is rounded up to a power of two.
+    `config` None = `attention_config`; an explicit one (benchmarks, tuning sweeps) must have
+    `block_m == block_q * next_power_of_2(H // Hkv)`.
     """
     t, h, d = q.shape
     num_pages, page_size, hkv, dk = k_cache.shape
@@ -462,7 +547,8 @@ def paged_attention(
     if t == 0 or num_seqs == 0:
         return out
     group = h // hkv
-    cfg = attention_config(d, group, max_query_len)
+    cfg = config or attention_config(d, group, max_query_len, k_cache.dtype)
+    assert cfg.block_m == cfg.block_q * triton.next_power_of_2(group), cfg
     if num_splits is None:
         max_kv_len = max_seq_len if window <= 0 else min(max_seq_len, window + max_query_len - 1)
         num_splits = choose_num_splits(
@@ -473,6 +559,16 @@ def paged_attention(
     d_pad = triton.next_power_of_2(d)
     interp = _interpreting()
     dot_f32 = interp and q.dtype != torch.float32
+    fp8 = k_cache.dtype == FP8
+    dot_f16 = fp8 and q.dtype == torch.bfloat16 and cfg.fp8_fp16_dot
+    v_cvt_f16 = (
+        fp8
+        and not interp
+        and cfg.fp8_v_cvt_regs
+        and (dot_f16 or q.dtype == torch.float16)
+        and cfg.block_n * d_pad >= 128 * cfg.num_warps  # >= 4 values per thread (pack=4)
+        and _has_fp8_cvt(q.device)
+    )
     precision = "ieee" if (dot_f32 or q.dtype == torch.float32) else "tf32"
     qk_scale = scale * k_scale
     use_sinks = sinks is not None
@@ -523,8 +619,10 @@ def paged_attention(
         USE_SOFTCAP=bool(softcap),
         USE_SINKS=use_sinks,
         NUM_SPLITS=num_splits,
+        DOT_F16=dot_f16,
         DOT_F32=dot_f32,
         DOT_PRECISION=precision,
+        V_CVT_F16=v_cvt_f16,
         INTERPRET=interp,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
