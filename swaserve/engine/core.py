@@ -70,6 +70,10 @@ class EngineCore:
         self.model = build_model(
             hf, folder, self.dtype, self.device, config.load_format == "dummy", config.seed
         )
+        if self.device.type == "cuda" and not config.disable_fused_ops:
+            from swaserve.ops import enable_fused_ops
+
+            enable_fused_ops(self.model)  # before profiling, calibration and graph capture
         self.max_model_len = config.max_model_len or int(hf.max_position_embeddings)
         self.eos_token_ids = eos_token_ids(folder, hf)
         self.layout = build_layout(layer_windows(hf), all_full=config.disable_hybrid_kv_cache)

@@ -2,6 +2,9 @@
 
 Modules keep Hugging Face parameter names so a checkpoint's state dict maps 1:1
 (`swaserve.weights.loader` checks that nothing is missing or unexpected).
+
+RMSNorm, Rotary and GatedMLP run eager torch (the reference) unless `fused` is set on them
+(`swaserve.ops.enable_fused_ops`), which routes them to the Triton kernels in `swaserve.ops`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma scales by (1 + w) (`unit_offset`), Llama by w."""
 
+    fused = False
+
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
@@ -28,12 +33,31 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from swaserve.ops.rmsnorm import rmsnorm
+
+            return rmsnorm(x, self)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (xf * (1.0 + self.weight.float())).to(dtype)
         return self.weight * xf.to(dtype)
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, x_norm: RMSNorm | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s), s) for the residual stream s = residual + x, or residual + x_norm(x) with a
+    sandwich norm (Gemma); one kernel when `norm` is fused."""
+    if norm.fused:
+        from swaserve.ops.rmsnorm import fused_add_rmsnorm
+
+        return fused_add_rmsnorm(x, residual, norm, x_norm)
+    if x_norm is not None:
+        x = x_norm(x)
+    s = residual + x
+    return norm(s), s
 
 
 def _rope_params(config: Any, layer_type: str | None) -> dict:
@@ -77,7 +101,10 @@ def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None) -> torch.T
 
 
 class Rotary(nn.Module):
-    """Neox-style rotary embedding (rotate_half), as Hugging Face applies it."""
+    """Neox-style rotary embedding (rotate_half), as Hugging Face applies it. The fused path
+    rotates q and k in place."""
+
+    fused = False
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         super().__init__()
@@ -92,6 +119,10 @@ class Rotary(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            from swaserve.ops.rotary import apply_rotary
+
+            return apply_rotary(positions, q, k, self.inv_freq)
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(q.dtype)[:, None, :]
@@ -115,6 +146,8 @@ ACTIVATIONS = {
 
 
 class GatedMLP(nn.Module):
+    fused = False
+
     def __init__(self, hidden: int, inter: int, act: str, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
@@ -122,9 +155,14 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}")
+        self.act_name = act
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from swaserve.ops.activation import act_and_mul
+
+            return self.down_proj(act_and_mul(self.gate_proj(x), self.up_proj(x), self.act_name))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -16,6 +16,7 @@ from swaserve.models.blocks import (
     GatedMLP,
     RMSNorm,
     Rotary,
+    add_rmsnorm,
     head_dim_of,
     layer_type_names,
     layer_windows,
@@ -55,11 +56,20 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        a = self.self_attn(positions, self.input_layernorm(h), fb)
-        h = h + self.post_attention_layernorm(a)
-        m = self.mlp(self.pre_feedforward_layernorm(h))
-        return h + self.post_feedforward_layernorm(m)
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        next_norm: RMSNorm,
+        fb: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x = input_layernorm(h) of the residual stream h; returns (next_norm(h'), h') of the
+        output stream h'. Each sublayer output is post-normed, added to the stream and the sum
+        pre-normed for the next sublayer: one kernel on the fused path."""
+        a = self.self_attn(positions, x, fb)
+        x, h = add_rmsnorm(a, h, self.pre_feedforward_layernorm, self.post_attention_layernorm)
+        return add_rmsnorm(self.mlp(x), h, next_norm, self.post_feedforward_layernorm)
 
 
 class Gemma3Model(nn.Module):
@@ -78,9 +88,11 @@ class Gemma3Model(nn.Module):
         emb = self.embed_tokens(fb.input_ids)
         # As Hugging Face: the scale is rounded to the weights' dtype before multiplying.
         h = emb * torch.tensor(self.embed_scale, dtype=emb.dtype)
-        for layer in self.layers:
-            h = layer(fb.positions, h, fb)
-        return self.norm(h)
+        x = self.layers[0].input_layernorm(h)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, next_norms, strict=True):
+            x, h = layer(fb.positions, x, h, next_norm, fb)
+        return x
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -17,6 +17,7 @@ from swaserve.models.blocks import (
     GatedMLP,
     RMSNorm,
     Rotary,
+    add_rmsnorm,
     head_dim_of,
     layer_windows,
     rope_inv_freq,
@@ -52,9 +53,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), fb)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        next_norm: RMSNorm,
+        fb: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x = input_layernorm(h) of the residual stream h; returns (next_norm(h'), h') of the
+        output stream h', so each residual add runs inside the norm that follows it."""
+        a = self.self_attn(positions, x, fb)
+        x, h = add_rmsnorm(a, h, self.post_attention_layernorm)
+        return add_rmsnorm(self.mlp(x), h, next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -68,9 +79,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(fb.input_ids)
-        for layer in self.layers:
-            h = layer(fb.positions, h, fb)
-        return self.norm(h)
+        x = self.layers[0].input_layernorm(h)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, next_norms, strict=True):
+            x, h = layer(fb.positions, x, h, next_norm, fb)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):

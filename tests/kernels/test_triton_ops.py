@@ -1,0 +1,222 @@
+"""Fused Triton ops (RMSNorm with residual add, rotary, gated activation) against the eager
+blocks, on CPU under the interpreter, and whole tiny models with the ops switched on and off.
+
+Every test name contains `triton` (`pytest -k triton`). The kernels run with the tile sizes the
+GPU uses. Set SWASERVE_TEST_TRITON_CUDA=1 to run the kernel tests compiled on a CUDA device.
+
+The kernels round where the eager code rounds, so float32 results agree to reduction order and
+bfloat16 results to one rounding step at most.
+"""
+
+from __future__ import annotations
+
+import os
+
+_CUDA = os.environ.get("SWASERVE_TEST_TRITON_CUDA") == "1"
+if not _CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from swaserve.models.blocks import ACTIVATIONS, RMSNorm, Rotary, add_rmsnorm  # noqa: E402
+from swaserve.ops.activation import act_and_mul  # noqa: E402
+from swaserve.ops.rmsnorm import fused_add_rmsnorm, rmsnorm  # noqa: E402
+from swaserve.ops.rotary import apply_rotary  # noqa: E402
+
+DEVICE = torch.device("cuda" if _CUDA else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2e-2)}
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Close at the dtype's tolerance; in bfloat16 also equal almost everywhere (the kernels round
+    where the eager code rounds: only a last-bit difference of float32 math flips a rounding, and
+    tails like gelu(-5) may be 0 on one side and -1e-7 on the other)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **TOL[got.dtype])
+    if got.dtype == torch.bfloat16:
+        same = (got.float() - want.float()).abs() <= 1e-6
+        assert same.float().mean().item() > 0.99
+
+
+def _norm(n: int, unit_offset: bool, dtype: torch.dtype, seed: int = 1) -> RMSNorm:
+    norm = RMSNorm(n, 1e-6, unit_offset)
+    with torch.no_grad():
+        w = _randn(n, dtype=torch.float32, seed=seed) * 0.5
+        norm.weight.copy_(w if unit_offset else w + 1)
+    return norm.to(DEVICE, dtype)
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("shape", [(1, 96), (37, 640), (37, 4, 128), (1, 3, 256)])
+def test_triton_rmsnorm(shape, unit_offset, dtype):
+    norm = _norm(shape[-1], unit_offset, dtype)
+    x = _randn(*shape, dtype=dtype) * 3
+    got, want = rmsnorm(x, norm), norm(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("sandwich", [False, True])
+@pytest.mark.parametrize("t,n", [(1, 96), (37, 640)])
+def test_triton_fused_add_rmsnorm(t, n, sandwich, unit_offset, dtype):
+    norm = _norm(n, unit_offset, dtype)
+    x_norm = _norm(n, unit_offset, dtype, seed=2) if sandwich else None
+    x, residual = _randn(t, n, dtype=dtype, seed=3), _randn(t, n, dtype=dtype, seed=4) * 4
+    x_before, residual_before = x.clone(), residual.clone()
+    got_y, got_s = fused_add_rmsnorm(x, residual, norm, x_norm)
+    want_y, want_s = add_rmsnorm(x, residual, norm, x_norm)  # eager: nothing is fused yet
+    assert got_s.dtype == dtype and got_y.dtype == dtype
+    if sandwich:
+        _close(got_s, want_s)
+    else:  # the same single rounding of the same sum
+        assert torch.equal(got_s, want_s)
+    _close(got_y, want_y)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_triton_add_rmsnorm_dispatch():
+    """`add_rmsnorm` takes the kernel once the norm is fused, and agrees with the eager path."""
+    norm, x_norm = _norm(96, True, torch.float32), _norm(96, True, torch.float32, seed=2)
+    x, residual = _randn(5, 96, dtype=torch.float32), _randn(5, 96, dtype=torch.float32, seed=3)
+    want = add_rmsnorm(x, residual, norm, x_norm)
+    norm.fused = x_norm.fused = True
+    got = add_rmsnorm(x, residual, norm, x_norm)
+    for g, w in zip(got, want, strict=True):
+        _close(g, w)
+
+
+# ---- rotary ----------------------------------------------------------------------------------
+
+
+def _inv_freq(rot: int, base: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 37])
+@pytest.mark.parametrize(
+    "hq,hk,d,rot",
+    [(4, 2, 16, 16), (8, 1, 128, 128), (3, 1, 80, 40), (4, 4, 64, 32), (4, 1, 256, 256)],
+)
+def test_triton_rotary(hq, hk, d, rot, t, dtype):
+    q, k = _randn(t, hq, d, dtype=dtype, seed=5), _randn(t, hk, d, dtype=dtype, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    positions = torch.randint(0, 40000, (t,), generator=gen, dtype=torch.int64).to(DEVICE)
+    rotary = Rotary(_inv_freq(rot)).to(DEVICE)
+    want_q, want_k = rotary(positions, q, k)
+    q_in, k_in = q.clone(), k.clone()
+    got_q, got_k = apply_rotary(positions, q, k, rotary.inv_freq, inplace=False)
+    assert torch.equal(q, q_in) and torch.equal(k, k_in)
+    _close(got_q, want_q)
+    _close(got_k, want_k)
+    got_q, got_k = apply_rotary(positions, q, k, rotary.inv_freq)  # in place
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    _close(q, want_q)
+    _close(k, want_k)
+    assert torch.equal(q[..., rot:], q_in[..., rot:])  # the pass-through dims stay bit for bit
+
+
+def test_triton_rotary_strided():
+    """q and k as views of one packed qkv row (head stride D, token stride (Hq + 2 Hkv) D)."""
+    t, hq, hk, d = 6, 4, 2, 32
+    qkv = _randn(t, (hq + 2 * hk) * d, dtype=torch.float32, seed=8)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v_before = qkv[:, (hq + hk) * d :].clone()
+    positions = torch.arange(100, 100 + t, device=DEVICE)
+    rotary = Rotary(_inv_freq(d)).to(DEVICE)
+    want_q, want_k = rotary(positions, q, k)
+    apply_rotary(positions, q, k, rotary.inv_freq)
+    _close(q, want_q)
+    _close(k, want_k)
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before)
+
+
+# ---- gated activation ------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # sigmoid tails, exact: 1/inf
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("t,n", [(1, 96), (37, 640)])
+def test_triton_act_and_mul(t, n, act, dtype):
+    gate, up = _randn(t, n, dtype=dtype, seed=9) * 3, _randn(t, n, dtype=dtype, seed=10)
+    want = ACTIVATIONS[act](gate) * up
+    got = act_and_mul(gate, up, act)
+    assert got.dtype == dtype
+    _close(got, want)
+
+
+# ---- whole models ----------------------------------------------------------------------------
+
+TINY = dict(
+    vocab_size=128, hidden_size=96, intermediate_size=160, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6,
+    num_hidden_layers=3,
+)  # fmt: skip
+
+
+def _tiny_configs() -> dict:
+    import transformers as t
+
+    return {
+        # (config, modules enable_fused_ops switches: per layer + the final norm)
+        "llama": (t.LlamaConfig(**TINY, tie_word_embeddings=False), 3 * 4 + 1),
+        "qwen3": (t.Qwen3Config(**TINY, tie_word_embeddings=False), 3 * 6 + 1),
+        "gemma3": (
+            t.Gemma3TextConfig(
+                **TINY, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                sliding_window=5, query_pre_attn_scalar=24, rope_local_base_freq=10000.0,
+                partial_rotary_factor=0.5,
+            ),
+            3 * 8 + 1,
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(_CUDA, reason="CPU engine test")
+@pytest.mark.parametrize("name", list(_tiny_configs()))
+def test_triton_fused_ops_model(tmp_path, name):
+    """Per-position logits and greedy tokens of a tiny random model are the same with the fused
+    ops on as with the eager blocks (float32: equal up to reduction order)."""
+    from swaserve import Engine, SamplingParams
+    from swaserve.ops import enable_fused_ops
+    from tests.helpers import engine_prompt_logits, save_random_hf_model
+
+    cfg, switched = _tiny_configs()[name]
+    save_random_hf_model(cfg, tmp_path)
+    engine = Engine(
+        model=str(tmp_path), device="cpu", dtype="float32", page_size=4,
+        max_num_batched_tokens=16, kv_cache_gb=0.01,
+    )  # fmt: skip
+    model = engine.core.model
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (23,), generator=gen).tolist()
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+
+    def run() -> tuple[torch.Tensor, list[int]]:
+        logits = engine_prompt_logits(engine, ids)
+        out = engine.generate(prompt_token_ids=[ids[:9]], sampling_params=greedy)
+        return logits, out[0].outputs[0].token_ids
+
+    want_logits, want_tokens = run()
+    assert enable_fused_ops(model) == switched
+    got_logits, got_tokens = run()
+    assert enable_fused_ops(model, enabled=False) == switched
+    assert (got_logits - want_logits).abs().max().item() < 1e-4
+    assert got_tokens == want_tokens
