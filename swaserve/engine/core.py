@@ -396,7 +396,7 @@ class EngineCore:
             stats.update(self.cache.stats())
         else:
             stats.update(dict.fromkeys(("cache_pages", "host_pages", "cache_hit_tokens",
-                                        "evictions", "host_loads"), 0))
+                                        "evictions", "host_loads", "host_load_waits"), 0))
         return stats
 
 

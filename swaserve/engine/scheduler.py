@@ -11,6 +11,12 @@ With the prefix cache, a waiting request starts from its longest valid cached pr
 page tables take the cached pages, `num_computed_tokens` jumps to the hit, and only the rest
 is computed. After each step every running request's computed pages enter the cache, and a
 request that finishes, aborts or is preempted hands its pages to the cache before freeing.
+
+A hit on pages offloaded to host or disk is admitted (pages allocated, loads queued) but held
+out of the forward while `cache.loads_pending` (on CUDA the loads land on a side stream while
+other requests compute): a held running request is skipped (no budget used; it keeps its
+pages and its chunk's allocation, which `allocate` extends idempotently later). When every
+runnable request is held, the step is empty and the scheduler waits for the loads.
 """
 
 from __future__ import annotations
@@ -97,11 +103,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.budget
+        held = False  # a request waits for its prefix's loads
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._loading(req):
+                held = True
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.memory.allocate(req, n):
                 if self.cache is not None and self.cache.evict(self.memory.shortfall(req, n)):
@@ -129,9 +139,18 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if self._loading(req):
+                held = True
+                continue
             batch.add(req, n)
             budget -= n
+        if held and not batch:
+            self.cache.wait_loads()  # nothing to overlap them with: no busy polling
         return batch
+
+    def _loading(self, req: Request) -> bool:
+        """The request's cached prefix is still being loaded: not in this step's forward."""
+        return self.cache is not None and self.cache.loads_pending(req.request_id)
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Allocate the first chunk of a waiting request, from its longest cached prefix.

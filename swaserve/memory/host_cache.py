@@ -8,18 +8,36 @@ page is one contiguous block whatever the KV dtype (FP8 included):
 Each offload page has exactly one holder (a slot of a radix-tree node), so a free list and a
 set of held pages are the whole bookkeeping: no reference counts.
 
-`PageMover` runs the copies the cache decides, strictly in the order it decided them:
-device -> tier (store), tier -> device (load), tier -> tier (demote to disk). Order matters: a
-device page freed by an eviction may be handed out again in the same step, so its store must
-run before anything writes it; a host page freed and reused must be read before it is
-rewritten. One queue, run in order by `flush()`, keeps both true.
+`PageMover` runs the copies the cache decides, in the order it decided them: device -> tier
+(store), tier -> device (load), tier -> tier (demote to disk), and device -> device on the
+load stream (copy-on-write of a page still being loaded). Order matters: a device page freed
+by an eviction may be handed out again in the same step, so its store must run before anything
+writes it; an offload page freed and reused must be read before it is rewritten. `flush()`,
+once per step before the forward, issues the queue in order.
 
-On CUDA the queue runs on a side stream: it first waits for the compute stream (a store reads
-what the last forward wrote), and the compute stream waits for it before the next forward
-(a load must land before attention reads it). Pages in flight are therefore pinned by stream
-order: nothing on either stream touches them before the copy completes. Host memory is
-pinned so that the per-page copies are asynchronous. CPU <-> CPU copies (host <-> disk) first
-synchronise the side stream, since a store into that host page may still be in flight.
+On CUDA two side streams run it, each first waiting for the compute stream (a store reads what
+the last forward wrote; a load's destination may be a page a finished request used):
+
+    store stream   stores (pinned host: asynchronous) and moves; the compute stream waits for
+                   it at the end of the flush: a device page a store reads may be reused by the
+                   very next forward. Moves copy on the host after synchronising it.
+    load stream    loads and device copies; nobody waits for it. Each op first waits for the
+                   store stream (its destination may be a page a store is still reading, its
+                   source an offload page a store is still writing); an event after each op
+                   and one per flush (`landed(n)`) tell when it is complete.
+
+The other direction of the ordering: a store or move that overwrites an offload page a load is
+still reading first waits for that load's event (`_reading`): rare, since a freshly loaded
+node is the most recently used. The device pages a load or copy writes, or a copy reads, are
+the cache's to protect until `landed`: it holds a reference to them and keeps requests that
+read them out of the forward until then (radix_cache.py), then orders the compute stream after
+the flush's event (`wait`). On CPU every copy is synchronous and `ready` is always true;
+`emulate_async` lets tests run loads late, as a lagging stream would.
+
+No host syncs with a host tier: index tensors go to the device from pinned memory
+(`_index`; a pageable copy would block the host until the stream's earlier work, a whole
+forward, is done). A disk tier does block the host: a store to it (`.cpu()`) and a move
+(host -> disk) wait for the store stream; a load from it reads the file on the host first.
 """
 
 from __future__ import annotations
@@ -28,14 +46,17 @@ import os
 import shutil
 import uuid
 import weakref
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from swaserve.memory.kv_pool import KVPool
 
 NULL = 0
-DISK_CACHE_GB = 16.0  # disk tier size, at most half the free space of its directory
+DISK_CACHE_GB = 16.0  # default disk tier size, at most half the free space of its directory
 
 
 class OffloadPool:
@@ -126,8 +147,14 @@ def device_page_shape(kv: KVPool) -> tuple[int, ...]:
     return (b.shape[0], b.shape[1], *b.shape[3:])
 
 
-def build_tiers(kv: KVPool, host_cache_gb: float, disk_cache_dir: str | None) -> list[OffloadPool]:
-    """The offload tiers the config asks for: host (if host_cache_gb > 0), then disk."""
+def build_tiers(
+    kv: KVPool,
+    host_cache_gb: float,
+    disk_cache_dir: str | None,
+    disk_cache_gb: float | None = None,
+) -> list[OffloadPool]:
+    """The offload tiers the config asks for: host (if host_cache_gb > 0), then disk (in a
+    sparse file of disk_cache_gb GiB, default min(16 GiB, half the directory's free space))."""
     shape = device_page_shape(kv)
     page_bytes = 1
     for d in shape:
@@ -139,7 +166,16 @@ def build_tiers(kv: KVPool, host_cache_gb: float, disk_cache_dir: str | None) ->
     if disk_cache_dir:
         folder = Path(disk_cache_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        size = min(DISK_CACHE_GB * 2**30, shutil.disk_usage(folder).free / 2)
+        free = shutil.disk_usage(folder).free
+        if disk_cache_gb is None:
+            size = min(DISK_CACHE_GB * 2**30, free / 2)
+        else:
+            size = disk_cache_gb * 2**30
+            if size > free:
+                raise ValueError(
+                    f"disk_cache_gb={disk_cache_gb} is more than the free space of "
+                    f"{folder} ({free / 2**30:.2f} GiB)"
+                )
         path = folder / f"swaserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
         tiers.append(OffloadPool("disk", max(2, int(size) // page_bytes), shape, path=path))
     return tiers
@@ -149,20 +185,85 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+class _Lane:
+    """CPU stand-in for the load stream (tests, `PageMover.emulate_async`): its ops run only
+    when landed, in order, so a test sees what a real side stream would allow: a page read
+    before its load landed, or reused while a copy into it is still pending."""
+
+    def __init__(self) -> None:
+        self.ops: deque[tuple[int, Callable[[], None]]] = deque()
+        self.issued = 0  # ops put so far
+        self.ran = 0  # ops run so far (a prefix of those put)
+
+    def put(self, fn: Callable[[], None]) -> _LaneEvent:
+        self.issued += 1
+        self.ops.append((self.issued, fn))
+        return _LaneEvent(self, self.issued)
+
+    def run_to(self, n: int) -> None:
+        while self.ops and self.ops[0][0] <= n:
+            k, fn = self.ops.popleft()
+            fn()
+            self.ran = k
+
+
+class _LaneEvent:
+    """The event of a `_Lane` op: `query` and `synchronize` like a torch.cuda.Event."""
+
+    def __init__(self, lane: _Lane, n: int) -> None:
+        self.lane, self.n = lane, n
+
+    def query(self) -> bool:
+        return self.lane.ran >= self.n
+
+    def synchronize(self) -> None:
+        self.lane.run_to(self.n)
+
+
 class PageMover:
-    """An ordered queue of page copies between the device KV pool and offload tiers."""
+    """An ordered queue of page copies between the device KV pool and offload tiers, flushed
+    once per step; loads run on their own stream and are tracked per flush (see the module
+    docstring)."""
 
     def __init__(self, kv: KVPool, tiers: list[OffloadPool]) -> None:
         self.kv = kv
         self.tiers = tiers
         self.dev = _bytes(kv.kv)  # [slot, k|v, page, offset, head, byte]
         self.cuda = self.dev.device.type == "cuda"
-        self._side = torch.cuda.Stream(self.dev.device) if self.cuda else None
-        # (src tier or None for device, src pages, dst tier or None, dst pages)
+        dev = self.dev.device
+        self._store_stream = torch.cuda.Stream(dev) if self.cuda else None
+        self._load_stream = torch.cuda.Stream(dev) if self.cuda else None
+        self._lane: _Lane | None = None  # CPU emulation of the load stream (tests)
+        self._lag = 0
+        # (src tier or None for device, src pages, dst tier or None for device, dst pages)
         self._ops: list[tuple[int | None, list[int], int | None, list[int]]] = []
+        self._flushes = 0  # flushes so far: the next one is number `next_flush`
+        self._events: dict[int, Any] = {}  # flush -> event after its loads, until they land
+        self._landed: dict[int, Any] = {}  # events found complete since the last flush
+        # (tier, page) -> (flush, event) of the load reading that offload page (a store or a
+        # move that overwrites the page must wait for it); stale entries are harmless.
+        self._reading: dict[tuple[int, int], tuple[int, Any]] = {}
 
     def __len__(self) -> int:
         return len(self._ops)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Loads land after the flush that issues them (CUDA, or the emulation in tests)."""
+        return self.cuda or self._lane is not None
+
+    @property
+    def next_flush(self) -> int:
+        """The number of the flush that will run what is queued now."""
+        return self._flushes
+
+    def emulate_async(self, lag: int) -> None:
+        """Tests on CPU: run loads like a side stream that lags `lag` >= 1 flushes behind
+        (the loads of flush n land at the start of flush n + lag, or when waited for)."""
+        assert not self.cuda and lag >= 1 and not self._ops
+        self._lane, self._lag = _Lane(), lag
+
+    # ---- queueing -------------------------------------------------------------------------
 
     def store(self, dev_pages: list[int], tier: int, pages: list[int]) -> None:
         self._queue(None, dev_pages, tier, pages)
@@ -172,6 +273,10 @@ class PageMover:
 
     def move(self, src: int, src_pages: list[int], dst: int, dst_pages: list[int]) -> None:
         self._queue(src, src_pages, dst, dst_pages)
+
+    def copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Device page copies on the load stream (copy-on-write of a page being loaded)."""
+        self._queue(None, src_pages, None, dst_pages)
 
     def _queue(self, src, src_pages, dst, dst_pages) -> None:
         assert len(src_pages) == len(dst_pages)
@@ -186,42 +291,157 @@ class PageMover:
         else:
             self._ops.append((src, list(src_pages), dst, list(dst_pages)))
 
+    # ---- running --------------------------------------------------------------------------
+
     def flush(self) -> None:
-        """Run every queued copy in order (see the module docstring for the stream rules)."""
+        """Issue every queued copy, in order (see the module docstring for the stream rules).
+        Stores and moves are complete, for the compute stream, when this returns; loads and
+        device copies land later: `landed(next_flush before this call)`."""
         ops, self._ops = self._ops, []
+        n = self._flushes
+        self._flushes += 1
+        self._landed.clear()
+        if self._lane is not None:
+            self._land(n - self._lag)
         if not ops:
             return
-        if not self.cuda:
+        if not self.asynchronous:
             for op in ops:
                 self._run(*op)
             return
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(self.dev.device))
-        with torch.cuda.stream(side):
-            for op in ops:
-                self._run(*op)
-        torch.cuda.current_stream(self.dev.device).wait_stream(side)
+        compute = torch.cuda.current_stream(self.dev.device) if self.cuda else None
+        if compute is not None:
+            # What earlier forwards wrote (a store's source) or still use (a page freed by a
+            # request and now a load's destination) comes first.
+            self._store_stream.wait_stream(compute)
+            self._load_stream.wait_stream(compute)
+        last = None
+        for op in ops:
+            src, src_pages, dst, _ = op
+            if dst is None:  # a load or a device copy: the load stream
+                last = self._issue_load(op)
+                if src is not None:
+                    for p in src_pages:
+                        self._reading[(src, p)] = (n, last)
+            else:  # a store or a move: wait for the loads still reading the pages it writes
+                for ev in self._readers(dst, op[3]):
+                    if self.cuda and src is None:
+                        self._store_stream.wait_event(ev)
+                    else:
+                        ev.synchronize()
+                if self.cuda:
+                    with torch.cuda.stream(self._store_stream):
+                        self._run(*op)
+                else:
+                    self._run(*op)
+        if compute is not None:
+            compute.wait_stream(self._store_stream)
+        if last is not None:
+            self._events[n] = last
+
+    def _issue_load(self, op) -> Any:
+        if not self.cuda:
+            return self._lane.put(lambda: self._run(*op))
+        # A device page freed after a store read it, or an offload page a store is writing:
+        # the stores issued so far come first.
+        self._load_stream.wait_stream(self._store_stream)
+        with torch.cuda.stream(self._load_stream):
+            self._run(*op)
+        ev = torch.cuda.Event()
+        ev.record(self._load_stream)
+        return ev
+
+    def _readers(self, tier: int, pages: list[int]) -> list[Any]:
+        out: dict[int, Any] = {}
+        for p in pages:
+            entry = self._reading.pop((tier, p), None)
+            if entry is not None and entry[0] in self._events:  # that flush not landed yet
+                out[id(entry[1])] = entry[1]
+        return list(out.values())
+
+    def _land(self, n: int) -> None:
+        """Emulation only: run the loads of flushes <= n."""
+        due = [ev for f, ev in self._events.items() if f <= n]
+        if due:
+            due[-1].synchronize()
+
+    # ---- completion -----------------------------------------------------------------------
+
+    def landed(self, n: int) -> bool:
+        """Flush n has run and its loads are complete: pages it wrote or read may be reused."""
+        if n >= self._flushes:
+            return False
+        ev = self._events.get(n)
+        if ev is None:
+            return True
+        if not ev.query():
+            return False
+        self._landed[n] = self._events.pop(n)
+        if not self._events:
+            self._reading.clear()
+        return True
+
+    def ready(self, n: int) -> bool:
+        """A forward may read what flush n loads: on CPU always (the flush runs before the
+        forward, synchronously), else once it landed."""
+        return not self.asynchronous or self.landed(n)
+
+    def wait(self, n: int) -> None:
+        """Order the compute stream after flush n's loads, once `ready(n)` (so cheap). An
+        event already forgotten was complete before this step's flush: nothing to wait for."""
+        ev = self._events.get(n, self._landed.get(n))
+        if ev is None:
+            return
+        if self.cuda:
+            torch.cuda.current_stream(self.dev.device).wait_event(ev)
+        else:
+            ev.synchronize()
+
+    def synchronize(self) -> None:
+        """Block until every flushed load has landed."""
+        if self._events:
+            if self.cuda:
+                self._load_stream.synchronize()
+            else:
+                self._lane.run_to(self._lane.issued)
+        self._events.clear()
+        self._reading.clear()
+
+    # ---- the copies -----------------------------------------------------------------------
+
+    def copy_now(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Device page copies on the current stream (copy-on-write), without a host sync."""
+        if src_pages:
+            self.dev[:, :, self._index(dst_pages)] = self.dev[:, :, self._index(src_pages)]
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        """Page ids as an index on the device, copied asynchronously: a plain torch.tensor(...,
+        device=cuda) is a pageable copy, which would block the host until the stream's
+        earlier work (a whole forward) is done."""
+        t = torch.tensor(pages, dtype=torch.int64)
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.dev.device, non_blocking=True)
 
     def _run(self, src: int | None, src_pages: list[int], dst: int | None, dst_pages) -> None:
-        if src is None:
+        if src is None and dst is None:
+            self.copy_now(src_pages, dst_pages)
+        elif src is None:
             self._store(src_pages, self.tiers[dst], dst_pages)
         elif dst is None:
             self._load(self.tiers[src], src_pages, dst_pages)
         else:
-            if self._side is not None:
-                self._side.synchronize()
+            if self.cuda:
+                self._store_stream.synchronize()  # a store into a source page may be in flight
             a, b = self.tiers[src], self.tiers[dst]
             b.data[torch.tensor(dst_pages)] = a.data[torch.tensor(src_pages)]
 
     def _store(self, dev_pages: list[int], pool: OffloadPool, pages: list[int]) -> None:
-        idx = torch.tensor(dev_pages, device=self.dev.device)
-        block = self.dev[:, :, idx].movedim(2, 0).contiguous()  # [n, slot, k|v, ...]
+        block = self.dev[:, :, self._index(dev_pages)].movedim(2, 0).contiguous()  # [n, slot, ..]
         if self.cuda and pool.pinned:
             for i, p in enumerate(pages):
                 pool.data[p].copy_(block[i], non_blocking=True)
-        else:
-            if self._side is not None:
-                self._side.synchronize()
+        else:  # a file: the host waits for the stream (and the forward before it)
             pool.data[torch.tensor(pages)] = block.cpu()
 
     def _load(self, pool: OffloadPool, pages: list[int], dev_pages: list[int]) -> None:
@@ -231,9 +451,8 @@ class PageMover:
             )
             for i, p in enumerate(pages):
                 block[i].copy_(pool.data[p], non_blocking=True)
-        else:
-            if self._side is not None:
-                self._side.synchronize()
-            block = pool.data[torch.tensor(pages)].to(self.dev.device)
-        idx = torch.tensor(dev_pages, device=self.dev.device)
-        self.dev[:, :, idx] = block.movedim(0, 2)
+        else:  # pageable memory (a file): read now, on the host
+            block = pool.data[torch.tensor(pages)]
+            if self.cuda:
+                block = block.pin_memory().to(self.dev.device, non_blocking=True)
+        self.dev[:, :, self._index(dev_pages)] = block.movedim(0, 2)

@@ -51,8 +51,24 @@ Eviction, only under pressure (`evict(n)`, bounded by n):
      window; if it becomes a leaf with an unusable end it is removed (or, while a request
      still uses its pages, kept as a suspect and removed once that request lets go).
 Offload tiers make room the same way: redundant copies first, then demotion to the next tier
-(host -> disk), then leaves that live only there. A hit on offloaded slots loads them back
-into the tree's device pages (in-window slots only for SWA groups) before the request runs.
+(host -> disk), then leaves that live only there.
+
+Loads. A hit on offloaded slots loads them back into fresh device pages of the tree (in-window
+slots only for SWA groups); `attach` queues the loads and `move_pages` flushes them, on their
+own stream on CUDA (host_cache.py), so they overlap the forwards of other requests:
+
+    - each device page a load (or a copy-on-write after it) writes is *in flight* until its
+      flush has landed: the cache holds one more pool reference to it (`_inflight`), so it
+      is never evicted, dropped or handed out again meanwhile, whoever lets go of it
+      (a request aborted, finished or preempted with loads in flight just drops its own
+      references; nothing waits);
+    - a request whose table holds an in-flight page (its own loads, or another request's
+      that bring in pages it shares) records the flush it needs (`_waits`);
+      `loads_pending(id)` stays true until that flush landed, and the scheduler keeps the
+      request out of the forward meanwhile (counted in `host_load_waits`); the first false
+      orders the compute stream after the flush. On CPU copies are synchronous: never true;
+    - `evict` that falls short while pages are in flight waits for the loads and tries again
+      (rather than preempting); `wait_loads` blocks when nothing else can run.
 """
 
 from __future__ import annotations
@@ -185,6 +201,8 @@ class RadixCache:
         self._step_pins: list[Node] = []  # copy-on-write sources, until move_pages
         self._busy: set[Node] = set()  # nodes an eviction is working on: not to be removed
         self._num_pins = 0
+        self._inflight: dict[int, int] = {}  # device page -> flush of the copy into/from it
+        self._waits: dict[str, int] = {}  # request -> flush its hit needs landed
         # Counters (memory_stats): device pages held, tokens looked up / reused, pages moved.
         self.num_dev = 0
         self.query_tokens = 0
@@ -193,6 +211,7 @@ class RadixCache:
         self.evicted_pages = 0
         self.loaded_pages = 0
         self.stored_pages = 0
+        self.load_waits = 0  # steps a request was held out of the forward for its loads
         memory.register_external_holder(self.refs)
         memory.register_integrity_check(self.check_integrity)
 
@@ -315,6 +334,7 @@ class RadixCache:
             return
         ps = self.ps
         length = -(-p // ps)
+        self._reap()  # pages whose loads landed are no longer in flight: nothing to wait for
         tables, own, src, dst = [], [], [], []
         for g in range(len(self.groups)):
             table = [NULL] * hit.live_from[g]
@@ -324,12 +344,18 @@ class RadixCache:
                     page = self._alloc(1)[0]
                     own.append(page)
                     if self._lo(g, p) < p:
-                        src.append(self._ensure_dev(node, g, i))
-                        dst.append(page)
-                        if node not in self._step_pins:
-                            node.pins += 1
-                            self._num_pins += 1
-                            self._step_pins.append(node)
+                        source = self._ensure_dev(node, g, i)
+                        if source in self._inflight:  # being loaded: copy after the load
+                            self.mover.copy([source], [page])
+                            self._hold(source)
+                            self._hold(page)
+                        else:  # on the compute stream, in move_pages
+                            src.append(source)
+                            dst.append(page)
+                            if node not in self._step_pins:
+                                node.pins += 1
+                                self._num_pins += 1
+                                self._step_pins.append(node)
                     table.append(page)
                 else:
                     table.append(self._ensure_dev(node, g, i))
@@ -338,6 +364,10 @@ class RadixCache:
         self.pool.decref(own)  # the request is now their only holder
         if src:
             self.memory.copy_pages(src, dst)
+        if self._inflight:
+            after = [self._inflight[q] for t in tables for q in t if q in self._inflight]
+            if after:
+                self._waits[request_id] = max(after)
         stamp = next(self._clock)
         for node in hit.nodes:
             node.last_access = stamp
@@ -353,8 +383,58 @@ class RadixCache:
         page = self._alloc(1)[0]
         self._set_dev(node, g, i, page)
         self.mover.load(t, [node.off[t][g][i]], [page])
+        self._hold(page)
         self.loaded_pages += 1
         return page
+
+    def _hold(self, page: int) -> None:
+        """Keep a device page out of reach until the next flush has landed (see Loads)."""
+        if page not in self._inflight:
+            self.pool.incref([page])
+        self._inflight[page] = self.mover.next_flush
+
+    def _reap(self) -> int:
+        """Let go of the in-flight pages whose copies landed; returns pages that became free
+        (a page the tree and every request had already dropped)."""
+        if not self._inflight:
+            return 0
+        landed: dict[int, bool] = {}
+        done = []
+        for page, n in self._inflight.items():
+            if n not in landed:
+                landed[n] = self.mover.landed(n)
+            if landed[n]:
+                done.append(page)
+        for page in done:
+            del self._inflight[page]
+        return len(self.pool.decref(done))
+
+    def _drain(self) -> int:
+        """Issue the queued copies and wait for every load; returns pages that became free."""
+        self.mover.flush()
+        self.mover.synchronize()
+        return self._reap()
+
+    def loads_pending(self, request_id: str) -> bool:
+        """True while a load the request's hit needs has not landed: keep it out of the
+        forward. The scheduler asks once per request and step; each true counts a held step
+        (`host_load_waits`). The first false orders the compute stream after those loads.
+        Always false on CPU (copies there are synchronous) and without pending loads."""
+        n = self._waits.get(request_id)
+        if n is None:
+            return False
+        if not self.mover.ready(n):
+            self.load_waits += 1
+            return True
+        del self._waits[request_id]
+        self.mover.wait(n)
+        return False
+
+    def wait_loads(self) -> None:
+        """Block until every queued or in-flight load has landed (when nothing else can run:
+        better than polling in a loop)."""
+        if self.mover is not None and (self._inflight or self._waits or len(self.mover)):
+            self._drain()
 
     def _alloc(self, n: int) -> list[int]:
         pages = self.pool.alloc(n)
@@ -378,6 +458,7 @@ class RadixCache:
         """The request let go of its pages (finish, abort, preempt): forget it, and remove the
         suspects it was keeping alive."""
         self._inserted.pop(request_id, None)
+        self._waits.pop(request_id, None)  # its in-flight pages stay held until they land
         self.tidy()
 
     def tidy(self) -> int:
@@ -507,14 +588,23 @@ class RadixCache:
         if num_pages <= 0:
             return 0
         start = self.evicted_pages  # counts every device page the tree's drops free
-        goal = start + num_pages
-        self.tidy()
-        self._evict_swa(goal)
-        # A pass sees the device leaves of its start; evictions can make more (an offloaded
-        # leaf removed to make room leaves its parent a device leaf): pass again until none.
-        while not swa_only and self.evicted_pages < goal and self._evict_leaves(goal):
-            pass
-        return self.evicted_pages - start
+        freed = self._reap()  # in-flight pages nobody else holds any more
+        goal = start + num_pages - freed
+        while True:
+            self.tidy()
+            self._evict_swa(goal)
+            # A pass sees the device leaves of its start; evictions can make more (an
+            # offloaded leaf removed to make room leaves its parent a device leaf): pass again
+            # until none.
+            while not swa_only and self.evicted_pages < goal and self._evict_leaves(goal):
+                pass
+            if self.evicted_pages >= goal or not self._inflight:
+                break
+            # Short, and copies in flight hold pages: wait for them (better than preempting).
+            n = self._drain()
+            freed += n
+            goal -= n
+        return self.evicted_pages - start + freed
 
     def _tail(self, node: Node, g: int) -> int:
         """Index in the node of its first tail-window slot for SWA group g."""
@@ -740,18 +830,20 @@ class RadixCache:
     # ---- data movement --------------------------------------------------------------------
 
     def move_pages(self) -> None:
-        """Before the forward: run the queued offload copies (stores, loads, in order), then the
-        copy-on-write pairs recorded by attach, then let the copy sources go."""
+        """Before the forward: issue the queued offload copies (stores, loads, in order; the
+        forward waits for the stores only, see Loads), then the copy-on-write pairs recorded
+        by attach, then let go of copy sources and of in-flight pages whose loads landed."""
         if self.mover is not None:
             self.mover.flush()
         pairs = self.memory.take_copies()
         if pairs:
-            assert self.kv is not None, "copy-on-write needs the KV pool"
-            self.kv.copy_pages([s for s, _ in pairs], [d for _, d in pairs])
+            assert self.mover is not None, "copy-on-write needs the KV pool"
+            self.mover.copy_now([s for s, _ in pairs], [d for _, d in pairs])
         for node in self._step_pins:
             node.pins -= 1
             self._num_pins -= 1
         self._step_pins.clear()
+        self._reap()
         self.tidy()
 
     # ---- accounting -----------------------------------------------------------------------
@@ -796,6 +888,7 @@ class RadixCache:
         for n in self.nodes:
             for row in n.dev:
                 c.update(p for p in row if p != NULL)
+        c.update(self._inflight.keys())
         return c
 
     def stats(self) -> dict:
@@ -811,9 +904,12 @@ class RadixCache:
             "evictions": self.evicted_pages,
             "host_loads": self.loaded_pages,
             "host_stores": self.stored_pages,
+            "host_load_waits": self.load_waits,
         }
 
     def close(self) -> None:
+        if self.mover is not None:
+            self._drain()
         for t in self.tiers:
             t.close()
 
@@ -871,6 +967,12 @@ class RadixCache:
             assert tier.held() == off_held[t], f"tier {tier.name}: pool and tree disagree"
         for rid in self._inserted:
             assert rid in self.memory, f"insert cursor of a request without pages: {rid}"
+        for rid, n in self._waits.items():
+            assert rid in self.memory, f"a load wait of a request without pages: {rid}"
+            assert n <= self.mover.next_flush, f"{rid} waits for a flush not queued: {n}"
+        for p, n in self._inflight.items():
+            assert self.pool.refcount(p) >= 1, f"in-flight page {p} is free"
+            assert n <= self.mover.next_flush, f"in-flight page {p}: flush {n} not queued"
         for rid in self.memory.request_ids():
             for g, table in enumerate(self.memory.page_table(rid)):
                 for p in table:
@@ -881,7 +983,7 @@ class RadixCache:
 
 def build_prefix_cache(config, memory: MemoryManager, kv: KVPool) -> RadixCache | None:
     """The cache an EngineConfig asks for: None with --disable-prefix-cache; offload tiers
-    from --host-cache-gb / --disk-cache-dir, policy --host-cache-policy."""
+    from --host-cache-gb / --disk-cache-dir / --disk-cache-gb, policy --host-cache-policy."""
     if config.host_cache_policy not in ("write_back", "write_through"):
         raise ValueError(
             f"invalid host_cache_policy={config.host_cache_policy!r}: "
@@ -889,7 +991,10 @@ def build_prefix_cache(config, memory: MemoryManager, kv: KVPool) -> RadixCache 
         )
     if config.host_cache_gb < 0:
         raise ValueError(f"invalid host_cache_gb={config.host_cache_gb!r}: must be >= 0")
+    disk_gb = config.disk_cache_gb
+    if disk_gb is not None and not config.disk_cache_dir:
+        raise ValueError("disk_cache_gb needs disk_cache_dir")
     if config.disable_prefix_cache:
         return None
-    tiers = build_tiers(kv, config.host_cache_gb, config.disk_cache_dir)
+    tiers = build_tiers(kv, config.host_cache_gb, config.disk_cache_dir, disk_gb)
     return RadixCache(memory, kv, tiers, write_through=config.host_cache_policy == "write_through")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import transformers
@@ -22,20 +24,21 @@ def test_pool_follows_utilization(tmp_path):
         num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=4096,
     )
     save_random_hf_model(cfg, tmp_path)
-    total = torch.cuda.mem_get_info()[1]
-    sizes = {}
-    for util in (0.3, 0.6):
-        eng = Engine(model=str(tmp_path), gpu_memory_utilization=util, cuda_graph_max_bs=8)
-        kv_bytes = eng.core.kv.kv.numel() * eng.core.kv.kv.element_size()
-        sizes[util] = kv_bytes
-        assert torch.cuda.memory_allocated() <= util * total + 2**30
-        out = eng.generate(prompt_token_ids=[[5] * 50], sampling_params=SamplingParams(
-            max_tokens=4, temperature=0))
-        assert len(out[0].token_ids) == 4
-        del eng
-        torch.cuda.empty_cache()
-    # Doubling the share roughly doubles the pool (weights and activations are small here).
-    assert 1.8 < sizes[0.6] / sizes[0.3] < 2.2
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    used_before = total - free  # this process and any other on the device
+    eng = Engine(model=str(tmp_path), gpu_memory_utilization=0.5, cuda_graph_max_bs=8)
+    kv_bytes = eng.core.kv.kv.numel() * eng.core.kv.kv.element_size()
+    # The pool takes the share left after what was in use, the tiny weights, activations and
+    # the reserve (well under 3 GiB here).
+    assert 0.5 * total - used_before - 3 * 2**30 < kv_bytes < 0.5 * total - used_before
+    out = eng.generate(prompt_token_ids=[[5] * 50], sampling_params=SamplingParams(
+        max_tokens=4, temperature=0))
+    assert len(out[0].token_ids) == 4
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def test_profile_counts_the_activation_peak():

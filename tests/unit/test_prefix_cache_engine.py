@@ -4,6 +4,10 @@ eviction, the host tier under a device pool far smaller than the working set, an
 
 Prompts are random token ids (no accidental hits from other tests); every prompt length is
 chosen so that its shared prefix ends mid-page (page size 16).
+
+Requests held out of the forward while their prefix loads from the host tier (on CPU the
+copies are synchronous: held by a forced `loads_pending`, or by loads emulated as landing
+late, as on a CUDA side stream) run later with the same outputs; on a tiny random Gemma 3.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import transformers
 
 from swaserve import Engine, SamplingParams
+from tests.helpers import save_random_hf_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -33,19 +39,24 @@ def _gen(engine: Engine, prompt: list[int], params: SamplingParams = GREEDY):
 
 
 class ComputedTokens:
-    """Counts the tokens the engine computes per request (the scheduler's batches)."""
+    """Counts the prompt tokens the engine computes per request (the scheduler's batches;
+    decode steps, including one the overlap schedule may launch past the end, are not
+    counted), and records every step's batch."""
 
     def __init__(self, engine: Engine) -> None:
         self.scheduler = engine.core.scheduler
         self.counts: dict[str, int] = {}
+        self.steps: list[list[str]] = []  # request ids of each step's batch
 
     def __enter__(self) -> ComputedTokens:
         schedule = self._schedule = self.scheduler.schedule
 
         def counting():
             batch = schedule()
+            self.steps.append([r.request_id for r in batch.requests])
             for req, n in zip(batch.requests, batch.num_new_tokens):
-                self.counts[req.request_id] = self.counts.get(req.request_id, 0) + n
+                prompt = max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
+                self.counts[req.request_id] = self.counts.get(req.request_id, 0) + prompt
             return batch
 
         self.scheduler.schedule = counting
@@ -55,9 +66,9 @@ class ComputedTokens:
         self.scheduler.schedule = self._schedule
 
     def prompt_tokens(self, num_prompt_tokens: int) -> int:
-        """Tokens computed by the (one) request before its first sampled token."""
+        """Prompt tokens computed by the (one) request."""
         (n,) = self.counts.values()
-        return n - (GREEDY.max_tokens - 1)  # each later step computes one sampled token
+        return n
 
 
 @pytest.mark.parametrize("prefix_len", [100, 600, 1500])
@@ -180,3 +191,130 @@ def test_prompt_logprobs_requests_skip_the_cache(gemma_engine):
     _gen(gemma_engine, prompt)
     out = _gen(gemma_engine, prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))
     assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(prompt)
+
+
+# ---- requests held for their loads (tiny random Gemma 3: 2 SWA layers of window 24, 1 full) --
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=3,
+        sliding_window=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        max_position_embeddings=1024,
+        eos_token_id=1,
+    )
+    folder = tmp_path_factory.mktemp("tiny_gemma3_hold")
+    save_random_hf_model(cfg, folder)
+    return str(folder)
+
+
+TINY_PAGE_BYTES = 2 * 16 * 2 * 16 * 4  # K and V of 16 tokens, 2 heads of 16, float32
+
+
+def _tiny(folder: str, pages: int | None = None, **kw) -> Engine:
+    kv = (pages or 2000) * TINY_PAGE_BYTES / 2**30
+    return Engine(model=folder, device="cpu", kv_cache_gb=kv, **kw)
+
+
+def _together(engine: Engine, starts, turns, params, long_prompts=()):
+    """Multi-turn chats, each turn's prompts submitted together (one generate call), after a
+    long-running request of that turn (`long_prompts`: it computes while others wait)."""
+    history = [list(s) for s in starts]
+    outputs = []
+    for t, turn in enumerate(turns):
+        prompts = [h + user for h, user in zip(history, turn)]
+        extra = [long_prompts[t]] if long_prompts else []
+        long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        outs = engine.generate(
+            prompt_token_ids=extra + prompts,
+            sampling_params=[long] * len(extra) + [params] * len(prompts),
+        )
+        engine.core.memory.check_integrity()
+        outputs += [o.token_ids for o in outs]
+        for c, out in enumerate(outs[len(extra) :]):
+            history[c] = prompts[c] + out.token_ids
+    return outputs
+
+
+def test_request_held_for_loads_runs_later_with_same_output(tiny_gemma):
+    """`loads_pending` forced true: the request is admitted but left out of the batches
+    (alone: empty steps, the loop keeps polling), keeps its pages, then runs."""
+    rng = random.Random(17)
+    prefix = [2] + [rng.randrange(3, 256) for _ in range(70)]
+    prompts = [prefix + [rng.randrange(3, 256) for _ in range(n)] for n in (9, 30, 12)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref = [
+        o.token_ids
+        for o in _tiny(tiny_gemma, disable_prefix_cache=True).generate(
+            prompt_token_ids=prompts, sampling_params=params
+        )
+    ]
+    engine = _tiny(tiny_gemma)
+    engine.generate(prompt_token_ids=[prefix + [5] * 20], sampling_params=params)  # to cache
+    cache, scheduler = engine.core.cache, engine.core.scheduler
+    real = cache.loads_pending
+    holds: dict[str, int] = {}  # request -> held steps left (the first one asked about)
+    seen: list[tuple[str, int, bool]] = []  # (request, pages, running) while held
+
+    def forced(rid: str) -> bool:
+        if not holds:
+            holds[rid] = 4
+        if holds.get(rid, 0) > 0:
+            holds[rid] -= 1
+            running = any(r.request_id == rid for r in scheduler.running)
+            seen.append((rid, len(engine.core.memory.page_table(rid)[2]), running))
+            return True
+        return real(rid)
+
+    cache.loads_pending = forced
+    try:
+        for first, batch_prompts in ((0, prompts[:1]), (1, prompts[1:])):  # alone, with another
+            holds.clear()
+            seen.clear()
+            with ComputedTokens(engine) as computed:
+                outs = engine.generate(prompt_token_ids=batch_prompts, sampling_params=params)
+            (rid,) = holds
+            assert len(seen) == 4 and all(s == seen[0] for s in seen)
+            assert seen[0][1] > 0 and seen[0][2], "held: running, with its pages"
+            held_steps = [i for i, step in enumerate(computed.steps) if rid not in step][:4]
+            assert held_steps == [0, 1, 2, 3]  # out of the first four batches, then in
+            if len(batch_prompts) == 1:
+                assert computed.steps[:4] == [[]] * 4  # nothing else to run: empty steps
+            else:
+                assert all(computed.steps[i] for i in range(4)), "the other one ran meanwhile"
+            assert [o.num_cached_tokens for o in outs] == [71] * len(outs)
+            assert [o.token_ids for o in outs] == ref[first : first + len(outs)]
+            engine.core.memory.check_integrity()
+            assert not engine.core.has_unfinished()
+    finally:
+        cache.loads_pending = real
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_loads_landing_late_hold_requests_with_same_outputs(tiny_gemma, lag):
+    """Several multi-turn chats at once under a device pool far smaller than their working
+    set, with loads that land `lag` flushes late (the CUDA side stream, emulated): requests
+    that hit host pages are held meanwhile, outputs are those of the cache-off engine."""
+    rng = random.Random(lag)
+    starts = [[2] + [rng.randrange(3, 256) for _ in range(150)] for _ in range(5)]
+    turns = [[[rng.randrange(3, 256) for _ in range(40)] for _ in range(5)] for _ in range(3)]
+    longs = [[2] + [rng.randrange(3, 256) for _ in range(30)] for _ in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = _together(_tiny(tiny_gemma, disable_prefix_cache=True), starts, turns, params, longs)
+    engine = _tiny(tiny_gemma, pages=90, max_num_seqs=3, host_cache_gb=0.01)
+    engine.core.cache.mover.emulate_async(lag)
+    out = _together(engine, starts, turns, params, longs)
+    stats = engine.memory_stats()
+    assert out == ref
+    assert stats["host_loads"] > 0 and stats["host_load_waits"] > 0, stats
+    assert stats["cache_hit_tokens"] > 0
+    assert not engine.core.cache._inflight

@@ -7,12 +7,18 @@ operation (pool, request tables, tree and tiers agree; no double free; no leaf w
 usable end), each test checks the *data*: every key a request can still attend to holds the
 right token at the right position, whatever was evicted, stored, loaded or copied. A wrong
 hit would show up there, not only in the bookkeeping.
+
+With `lag` > 0 the loads run late, as on a CUDA side stream (`PageMover.emulate_async`): a
+request whose prefix is still being loaded is held (not computed) until `loads_pending` turns
+false, and every running request's keys are checked after every operation, so a page handed
+out again while a copy into it was pending, or read before its load landed, shows up too.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+import shutil
 from dataclasses import dataclass, field
 
 import pytest
@@ -20,12 +26,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swaserve.config import EngineConfig
+from swaserve.memory import host_cache
 from swaserve.memory.groups import build_layout
-from swaserve.memory.host_cache import OffloadPool, device_page_shape
+from swaserve.memory.host_cache import OffloadPool, build_tiers, device_page_shape
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager
 from swaserve.memory.pool import NULL_PAGE
-from swaserve.memory.radix_cache import RadixCache
+from swaserve.memory.radix_cache import RadixCache, build_prefix_cache
 
 
 @dataclass
@@ -55,7 +63,9 @@ class Sim:
     disk_path: str | None = None
     disk_pages: int = 0
     write_through: bool = False
+    lag: int = 0  # > 0: loads land that many flushes late (held requests)
     running: dict[str, Req] = field(default_factory=dict)
+    held: int = 0  # compute attempts refused for pending loads
 
     def __post_init__(self) -> None:
         self.layout = build_layout(self.windows)
@@ -70,6 +80,8 @@ class Sim:
         if self.disk_path:
             tiers.append(OffloadPool("disk", self.disk_pages, shape, path=self.disk_path))
         self.cache = RadixCache(self.memory, self.kv, tiers, self.write_through)
+        if self.lag:
+            self.cache.mover.emulate_async(self.lag)
         self.ids = itertools.count()
         self.win = [g.window for g in self.layout.groups]
 
@@ -93,11 +105,12 @@ class Sim:
         req.num_computed_tokens = req.hit = p
         assert self.memory.allocate(req, n)
         self.running[req.request_id] = req
-        self.compute(req, n)
+        self.compute(req, n)  # or held: its loads are pending
         return req
 
     def step(self, req: Req, chunk: int) -> bool:
-        """Compute the next chunk of a running request; False if it could not get pages."""
+        """Compute the next chunk of a running request (unless held: it keeps its pages, and
+        a later step allocates its chunk again); False if it could not get pages."""
         n = max(1, min(chunk, req.num_tokens - req.num_computed_tokens))
         if req.num_computed_tokens + n > req.num_tokens:
             return False
@@ -109,8 +122,14 @@ class Sim:
 
     def compute(self, req: Req, n: int) -> None:
         """One forward: pending moves first, then the request must see exactly its keys, then
-        it writes its n new keys; after the step its pages enter the cache and it retires."""
+        it writes its n new keys; after the step its pages enter the cache and it retires.
+        A request whose loads are pending is held instead (nothing computed)."""
         self.cache.move_pages()
+        if self.cache.loads_pending(req.request_id):
+            assert self.lag, "loads pending on CPU without the emulation"
+            self.held += 1
+            self.check()
+            return
         self.check_visible(req)
         c = req.num_computed_tokens
         tables = self.memory.page_table(req.request_id)
@@ -196,11 +215,26 @@ class Sim:
         }
 
     def locked_pages(self) -> set[tuple[int, int, int, int]]:
-        pool = self.memory.pool
-        return {t for t in self.tree_pages() if pool.refcount(t[3]) > 1}
+        """Tree pages a request holds or a node pin protects (not only an in-flight copy: a
+        short eviction may wait for those and then take the page)."""
+        pool, inflight = self.memory.pool, self.cache._inflight
+        return {t for t in self.tree_pages() if pool.refcount(t[3]) - (t[3] in inflight) > 1}
 
     def check(self) -> None:
         self.memory.check_integrity()  # runs the cache's check_integrity too
+        for req in self.running.values():
+            if not self.pending(req):
+                self.check_visible(req)
+
+    def pending(self, req: Req) -> bool:
+        """Loads the request needs are still pending (without counting a held step)."""
+        n = self.cache._waits.get(req.request_id)
+        return n is not None and not self.cache.mover.ready(n)
+
+    def land(self) -> None:
+        """Every pending load lands now."""
+        self.cache.mover.synchronize()
+        self.check()
 
     def check_visible(self, req: Req) -> None:
         """Every key the next query of the request can see holds its token and position."""
@@ -209,12 +243,19 @@ class Sim:
         for g, table in enumerate(tables):
             w = self.win[g]
             lo = 0 if w is None else max(0, c - w + 1)
-            for k in range(lo, c):
-                page = table[k // ps]
-                assert page != NULL_PAGE, f"group {g}: key {k} of {req.request_id} retired"
-                got = self.kv.kv[0, 0, page, k % ps, 0].tolist()
-                want = [float(req.all_tokens[k]), float(k), float(g)]
-                assert got == want, f"group {g} key {k}: {got} != {want} (hit {req.hit})"
+            if lo >= c:
+                continue
+            keys = range(lo, c)
+            pages = [table[k // ps] for k in keys]
+            assert NULL_PAGE not in pages, f"group {g}: a key of {req.request_id} retired"
+            got = self.kv.kv[0, 0, pages, [k % ps for k in keys], 0].cpu()
+            want = torch.tensor([[req.all_tokens[k], k, g] for k in keys], dtype=self.kv.kv.dtype)
+            if not torch.equal(got, want):
+                k = lo + int((got != want).any(1).nonzero()[0])
+                raise AssertionError(
+                    f"{req.request_id} group {g} key {k}: {got[k - lo].tolist()} != "
+                    f"{want[k - lo].tolist()} (hit {req.hit})"
+                )
 
 
 def run_to_end(sim: Sim, tokens: list[int], chunk: int = 10**9) -> Req:
@@ -405,6 +446,97 @@ def test_write_through_stores_full_pages_at_insert():
     sim.finish(r)
 
 
+def test_loads_in_flight_hold_requests_and_pages():
+    """Loads that land late (a side stream): the hit's request is held, a second request
+    sharing the pages being loaded waits too, an abort with loads in flight frees nothing that
+    is still being written, and every request sees exactly its keys once they landed."""
+    sim = Sim([64, None], page_size=4, num_pages=100, host_pages=100, lag=2)
+    tokens = list(range(2000, 2050))
+    sim.finish(run_to_end(sim, tokens))
+    sim.evict(10**6)  # to host: 12 pages per group (the window covers the whole branch)
+    assert sim.cache.num_dev == 0
+    b = sim.admit(tokens + [5], chunk=100)
+    assert b.hit == 48 and sim.pending(b) and b.num_computed_tokens == 48
+    assert sim.cache.stats()["host_load_waits"] == 1 and sim.held == 1
+    assert len(sim.cache._inflight) == 24
+    c = sim.admit(tokens[:46] + [6], chunk=100)  # the same pages, already on their way
+    assert c.hit == 46 and sim.pending(c)
+    assert sim.cache.stats()["host_loads"] == 24
+    inflight = set(sim.cache._inflight)  # + c's own copies of the pages holding 46
+    assert len(inflight) == 26
+    assert all(t[11] in inflight for t in sim.memory.page_table(c.request_id))
+    sim.finish(b)  # aborted while its loads are in flight
+    assert all(sim.memory.pool.refcount(p) >= 1 for p in inflight)
+    d = sim.admit(list(range(9000, 9030)), chunk=100)  # a miss: fresh pages only
+    assert not {p for t in sim.memory.page_table(d.request_id) for p in t} & inflight
+    while sim.pending(c):
+        assert sim.step(c, 100)
+    assert c.num_computed_tokens == len(c.all_tokens)  # computed once the loads landed
+    assert sim.cache.stats()["host_load_waits"] == sim.held == 2  # b and c, at admission
+    for r in (c, d):
+        sim.finish(r)
+    assert not sim.cache._inflight  # landed, let go: b's copy went back to the pool
+    sim.evict(10**9)
+    assert sim.memory.pool.num_free == sim.memory.pool.capacity
+
+
+def test_short_eviction_waits_for_loads_in_flight():
+    """Pages held only by pending copies are freed by waiting for them, not reported lost."""
+    sim = Sim([4, None], page_size=4, num_pages=40, host_pages=100, lag=3)
+    tokens = list(range(500, 560))
+    sim.finish(run_to_end(sim, tokens))
+    sim.evict(10**6)
+    r = sim.admit(tokens + [1], chunk=100)
+    assert sim.pending(r)
+    sim.finish(r)  # nothing holds the loaded pages but the tree and the copies
+    used = sim.memory.pool.num_used
+    assert sim.evict(10**6) == used  # waits for the loads, then evicts everything
+    assert sim.memory.pool.num_free == sim.memory.pool.capacity and not sim.cache._inflight
+
+
+def test_loads_land_in_one_flush_on_cpu():
+    """Without the emulation (CPU): the flush runs every copy: nothing is ever pending."""
+    sim = Sim([8, None], page_size=4, num_pages=60, host_pages=100)
+    tokens = list(range(2000, 2050))
+    sim.finish(run_to_end(sim, tokens))
+    sim.evict(10**6)
+    r = sim.admit(tokens + [5], chunk=100)
+    assert r.num_computed_tokens == len(r.all_tokens) and sim.held == 0
+    assert not sim.cache._inflight and not sim.cache.loads_pending(r.request_id)
+    assert sim.cache.stats()["host_load_waits"] == 0
+    sim.finish(r)
+
+
+def test_disk_cache_gb(tmp_path, monkeypatch):
+    layout = build_layout([4, None])
+    kv = KVPool(layout, 8, 4, 1, 3, torch.float32, torch.device("cpu"))
+    page = 1
+    for d in device_page_shape(kv):
+        page *= d
+    (tier,) = build_tiers(kv, 0, str(tmp_path), disk_cache_gb=0.0001)
+    assert tier.name == "disk" and tier.num_pages == int(0.0001 * 2**30) // page
+    tier.close()
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ValueError, match="disk_cache_gb"):
+        build_tiers(kv, 0, str(tmp_path), disk_cache_gb=2 * free / 2**30 + 1)
+    assert not list(tmp_path.iterdir())  # no file left behind
+    monkeypatch.setattr(host_cache, "DISK_CACHE_GB", 0.0002)  # the default, when below free/2
+    (default,) = build_tiers(kv, 0, str(tmp_path))
+    assert default.num_pages == int(0.0002 * 2**30) // page
+    default.close()
+    # Through the config (EngineConfig / --disk-cache-gb).
+    memory = MemoryManager(layout, 4, 8)
+    config = EngineConfig(disk_cache_dir=str(tmp_path), disk_cache_gb=0.0001)
+    cache = build_prefix_cache(config, memory, kv)
+    assert cache.tiers[0].num_pages == int(0.0001 * 2**30) // page
+    cache.close()
+    with pytest.raises(ValueError, match="disk_cache_gb"):
+        config = EngineConfig(disk_cache_dir=str(tmp_path), disk_cache_gb=2 * free / 2**30 + 1)
+        build_prefix_cache(config, MemoryManager(layout, 4, 8), kv)
+    with pytest.raises(ValueError, match="disk_cache_dir"):
+        build_prefix_cache(EngineConfig(disk_cache_gb=1.0), MemoryManager(layout, 4, 8), kv)
+
+
 # ---- property tests -----------------------------------------------------------------------
 
 WINDOW = st.one_of(st.integers(1, 8), st.integers(1, 64), st.integers(1, 1024))
@@ -421,8 +553,9 @@ PAGE = st.one_of(st.integers(1, 4), st.integers(1, 64))
     windows=st.lists(st.one_of(st.none(), WINDOW), min_size=1, max_size=3),
     page_size=PAGE,
     tiers=st.sampled_from(["none", "host", "host+disk", "disk", "write_through"]),
+    lag=st.sampled_from([0, 0, 1, 2, 4]),
 )
-def test_cache_random_operations(data, windows, page_size, tiers, tmp_path_factory):
+def test_cache_random_operations(data, windows, page_size, tiers, lag, tmp_path_factory):
     rng = random.Random(data.draw(st.integers(0, 2**31)))
     max_len = data.draw(st.integers(2, 6 * page_size + 40))
     layout = build_layout(windows)
@@ -439,6 +572,7 @@ def test_cache_random_operations(data, windows, page_size, tiers, tmp_path_facto
         disk_path=path,
         disk_pages=host,
         write_through=tiers == "write_through",
+        lag=lag if tiers != "none" else 0,
     )
     vocab = data.draw(st.integers(1, 4))
     bases = [[rng.randrange(vocab) for _ in range(max_len)] for _ in range(2)]
@@ -450,7 +584,7 @@ def test_cache_random_operations(data, windows, page_size, tiers, tmp_path_facto
         return base[:cut] + [rng.randrange(vocab) for _ in range(length - cut)]
 
     waiting: list[list[int]] = []
-    ops = ["admit", "step", "step", "finish", "abort", "preempt", "evict", "swa", "lock"]
+    ops = ["admit", "step", "step", "finish", "abort", "preempt", "evict", "swa", "lock", "land"]
     for _ in range(data.draw(st.integers(1, 40))):
         op = data.draw(st.sampled_from(ops))
         chunk = data.draw(st.integers(1, max_len))
@@ -476,6 +610,8 @@ def test_cache_random_operations(data, windows, page_size, tiers, tmp_path_facto
         elif op == "lock":
             hit = sim.cache.match(sequence())
             sim.locked_evict(hit, data.draw(st.integers(1, num_pages)))
+        elif op == "land":
+            sim.land()
     for req in list(sim.running.values()):
         sim.finish(req)
     sim.evict(10**9)
