@@ -3,8 +3,10 @@
 Modules keep Hugging Face parameter names so a checkpoint's state dict maps 1:1
 (`swaserve.weights.loader` checks that nothing is missing or unexpected).
 
-RMSNorm, Rotary and GatedMLP run eager torch (the reference) unless `fused` is set on them
-(`swaserve.ops.enable_fused_ops`), which routes them to the Triton kernels in `swaserve.ops`.
+RMSNorm, Rotary, GatedMLP and Attention run eager torch (the reference) unless `fused` is set on
+them (`swaserve.ops.enable_fused_ops`), which routes them to the Triton kernels in `swaserve.ops`
+and, for the projections, to one merged GEMM for q/k/v and one for gate/up (`swaserve.ops.merge`:
+the per-projection weights become row views of the merged ones, so both paths share memory).
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ ACTIVATIONS = {
 
 class GatedMLP(nn.Module):
     fused = False
+    # [2 I, hidden] (and [2 I]) on the fused path; gate_proj/up_proj parameters are row views.
+    gate_up_weight: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
 
     def __init__(self, hidden: int, inter: int, act: str, bias: bool = False) -> None:
         super().__init__()
@@ -162,7 +167,8 @@ class GatedMLP(nn.Module):
         if self.fused:
             from swaserve.ops.activation import act_and_mul
 
-            return self.down_proj(act_and_mul(self.gate_proj(x), self.up_proj(x), self.act_name))
+            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            return self.down_proj(act_and_mul(gate, up, self.act_name))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -181,6 +187,11 @@ class AttentionSpec:
 
 class Attention(nn.Module):
     """q/k/v/o projections, optional per-head q/k norms, rotary, then the paged backend."""
+
+    fused = False
+    # [(H + 2 Hkv) D, hidden] (and bias) on the fused path; q/k/v_proj parameters are row views.
+    qkv_weight: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -210,9 +221,15 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         s = self.spec
-        q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        if self.fused:  # q, k, v: strided views of one GEMM output
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            kv_dim = s.num_kv_heads * s.head_dim
+            q, k, v = qkv.split([s.num_heads * s.head_dim, kv_dim, kv_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, s.num_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)

@@ -1,8 +1,9 @@
 """Fused Triton kernels for the shared model blocks, as a removable layer (DESIGN §1).
 
-`enable_fused_ops(model)` switches a built model's RMSNorm, Rotary and GatedMLP modules to the
-kernels here (rmsnorm.py, rotary.py, activation.py); without it every block runs its eager torch
-code, the reference. Importing this package does not import Triton.
+`enable_fused_ops(model)` switches a built model's RMSNorm, Rotary, GatedMLP and Attention
+modules to the kernels here (rmsnorm.py, rotary.py, activation.py) and to merged q/k/v and
+gate/up GEMMs (merge.py); without it every block runs its eager torch code, the reference.
+Importing this package does not import Triton.
 """
 
 from __future__ import annotations
@@ -11,17 +12,22 @@ from torch import nn
 
 
 def enable_fused_ops(model: nn.Module, enabled: bool = True) -> int:
-    """Set `fused = enabled` on every RMSNorm, Rotary and GatedMLP of `model`; returns how many
-    modules were switched."""
-    from swaserve.models.blocks import GatedMLP, RMSNorm, Rotary
+    """Set `fused = enabled` on every RMSNorm, Rotary, GatedMLP and Attention of `model`;
+    returns how many modules were switched. Enabling first merges the projections (the state
+    dict is unchanged, no weight memory is added); the merged layout stays when disabling, the
+    eager path reads the same memory through the per-projection views."""
+    from swaserve.models.blocks import Attention, GatedMLP, RMSNorm, Rotary
 
     if enabled:  # import Triton and the kernels now, not inside the first forward
         import swaserve.ops.activation  # noqa: F401
         import swaserve.ops.rmsnorm  # noqa: F401
         import swaserve.ops.rotary  # noqa: F401
+        from swaserve.ops.merge import merge_projections
+
+        merge_projections(model)
     switched = 0
     for module in model.modules():
-        if isinstance(module, (RMSNorm, Rotary, GatedMLP)):
+        if isinstance(module, (RMSNorm, Rotary, GatedMLP, Attention)):
             module.fused = enabled
             switched += 1
     return switched

@@ -10,6 +10,10 @@ One program normalises BLOCK_M rows, each whole in one tile (N <= BLOCK_N). Nume
 
 With `x_norm` (Gemma's post-attention / post-feedforward norms) x is first replaced by
 `x_norm(x)`, rounded to dtype, before the add.
+
+x may be a strided `[T, H, D]` view (per-head q/k norms on slices of one merged qkv output):
+row r of the flattened input sits at (r // H) * stride_t + (r % H) * stride_h, and it is read in
+place. The outputs are contiguous.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def _normalize(x, w, eps, N, UNIT_OFFSET: tl.constexpr, DTYPE: tl.constexpr):
 @triton.jit
 def _rmsnorm_kernel(
     X, RES, XW, W, Y, RES_OUT,
-    M, N, eps, x_eps,
+    M, N, X_INNER, stride_xo, stride_xi, eps, x_eps,
     UNIT_OFFSET: tl.constexpr, X_UNIT_OFFSET: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_XW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -55,9 +59,11 @@ def _rmsnorm_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    rows64 = rows.to(tl.int64)
+    offs = rows64[:, None] * N + cols[None, :]
+    x_offs = (rows64 // X_INNER) * stride_xo + (rows64 % X_INNER) * stride_xi
     dtype = Y.dtype.element_ty
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_XW:
         xw = tl.load(XW + cols, mask=cols < N, other=0.0).to(tl.float32)
         x = _normalize(x, xw, x_eps, N, X_UNIT_OFFSET, dtype).to(tl.float32)
@@ -69,6 +75,21 @@ def _rmsnorm_kernel(
     tl.store(Y + offs, _normalize(x, w, eps, N, UNIT_OFFSET, dtype), mask=mask)
 
 
+def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(x, H, stride_t, stride_h) with `x` readable as `[rows / H, H, N]` at those strides and
+    unit stride in N; `x` is copied only when no such view exists."""
+    if x.dim() >= 3 and x.stride(-1) == 1:
+        try:
+            x3 = x.view(-1, x.shape[-2], x.shape[-1])
+            return x, x3.shape[1], x3.stride(0), x3.stride(1)
+        except RuntimeError:  # leading dims not mergeable as a view
+            pass
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, 1, x2.stride(0), 0
+
+
 def _launch(
     x: torch.Tensor,
     norm: NormParams,
@@ -76,16 +97,16 @@ def _launch(
     x_norm: NormParams | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n = x.shape[-1]
-    x = x.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res_out = None
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype
         residual = residual.contiguous()
-        res_out = torch.empty_like(x)
+        res_out = torch.empty_like(y)
     m = x.numel() // n
     if m == 0:
         return y, res_out
+    x, inner, stride_xo, stride_xi = _row_layout(x)
     block_n = triton.next_power_of_2(n)
     block_m = max(1, TILE_ELEMENTS // block_n)
     num_warps = min(16, max(4, block_m * block_n // 1024))
@@ -93,7 +114,7 @@ def _launch(
     _rmsnorm_kernel[(triton.cdiv(m, block_m),)](
         x, residual if residual is not None else x, xw, norm.weight, y,
         res_out if res_out is not None else y,
-        m, n, norm.eps, x_norm.eps if x_norm is not None else 0.0,
+        m, n, inner, stride_xo, stride_xi, norm.eps, x_norm.eps if x_norm is not None else 0.0,
         UNIT_OFFSET=norm.unit_offset,
         X_UNIT_OFFSET=x_norm.unit_offset if x_norm is not None else False,
         HAS_RES=residual is not None, HAS_XW=x_norm is not None,

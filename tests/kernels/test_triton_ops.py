@@ -1,5 +1,6 @@
 """Fused Triton ops (RMSNorm with residual add, rotary, gated activation) against the eager
-blocks, on CPU under the interpreter, and whole tiny models with the ops switched on and off.
+blocks, on CPU under the interpreter, merged q/k/v and gate/up projections, and whole tiny models
+with the ops switched on and off.
 
 Every test name contains `triton` (`pytest -k triton`). The kernels run with the tile sizes the
 GPU uses. Set SWASERVE_TEST_TRITON_CUDA=1 to run the kernel tests compiled on a CUDA device.
@@ -10,7 +11,10 @@ bfloat16 results to one rounding step at most.
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
+from collections.abc import Callable
 
 _CUDA = os.environ.get("SWASERVE_TEST_TRITON_CUDA") == "1"
 if not _CUDA:
@@ -21,8 +25,19 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from swaserve.models.blocks import ACTIVATIONS, RMSNorm, Rotary, add_rmsnorm  # noqa: E402
+from torch import nn  # noqa: E402
+
+from swaserve.models.blocks import (  # noqa: E402
+    ACTIVATIONS,
+    Attention,
+    AttentionSpec,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    add_rmsnorm,
+)
 from swaserve.ops.activation import act_and_mul  # noqa: E402
+from swaserve.ops.merge import merge_projections  # noqa: E402
 from swaserve.ops.rmsnorm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 from swaserve.ops.rotary import apply_rotary  # noqa: E402
 
@@ -87,6 +102,23 @@ def test_triton_fused_add_rmsnorm(t, n, sandwich, unit_offset, dtype):
         assert torch.equal(got_s, want_s)
     _close(got_y, want_y)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 37])
+def test_triton_rmsnorm_strided(t, dtype):
+    """Per-head norms of q and k read in place from one packed qkv row: the same result as on a
+    contiguous copy, and the input is left as it was."""
+    hq, hk, d = 4, 2, 24
+    qkv = _randn(t, (hq + 2 * hk) * d, dtype=dtype, seed=11) * 3
+    qkv_before = qkv.clone()
+    norm = _norm(d, False, dtype)
+    for x in (qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)):
+        assert t == 1 or not x.is_contiguous()
+        got = rmsnorm(x, norm)
+        assert got.is_contiguous() and torch.equal(got, rmsnorm(x.contiguous(), norm))
+        _close(got, norm(x))
+    assert torch.equal(qkv, qkv_before)
 
 
 def test_triton_add_rmsnorm_dispatch():
@@ -162,6 +194,83 @@ def test_triton_act_and_mul(t, n, act, dtype):
     _close(got, want)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,n", [(1, 96), (37, 640)])
+def test_triton_act_and_mul_strided(t, n, dtype):
+    """gate and up as the two halves of one merged `[T, 2n]` GEMM output (row stride 2n)."""
+    gate_up = _randn(t, 2 * n, dtype=dtype, seed=12) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = act_and_mul(gate, up, "silu")
+    assert got.is_contiguous() and torch.equal(got, act_and_mul(gate.contiguous(), up, "silu"))
+    _close(got, ACTIVATIONS["silu"](gate) * up)
+
+
+# ---- merged projections ----------------------------------------------------------------------
+
+MERGED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _storage_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct storages behind the parameters and the merged projection tensors."""
+    tensors = list(model.parameters()) + [
+        t
+        for m in model.modules()
+        for a in ("qkv_weight", "qkv_bias", "gate_up_weight", "gate_up_bias")
+        if (t := getattr(m, a, None)) is not None
+    ]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _merged_params(model: nn.Module) -> list[weakref.ref]:
+    return [
+        weakref.ref(p) for name, p in model.named_parameters() if name.rsplit(".", 2)[-2] in MERGED
+    ]
+
+
+def _check_merge_keeps_state(model: nn.Module, merge: Callable[[nn.Module], bool]) -> None:
+    """`merge(model)` succeeds, keeps the state dict (keys, order, values), adds no storage and
+    frees the per-projection parameters it replaced."""
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    nbytes, old = _storage_bytes(model), _merged_params(model)
+    assert old
+    assert merge(model)
+    gc.collect()
+    assert all(ref() is None for ref in old)
+    got = model.state_dict()
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert _storage_bytes(model) <= nbytes
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_triton_merge_projections(bias):
+    """q/k/v and gate/up become row views of one tensor each; writes to the per-projection
+    parameters reach it; merging is idempotent and redone after a cast breaks the aliasing."""
+    spec = AttentionSpec(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=24, scale=0.2)
+    attn = Attention(spec, 96, Rotary(_inv_freq(24)), bias=bias, qk_norm_eps=1e-6)
+    mlp = GatedMLP(96, 160, "silu", bias=bias)
+    model = nn.ModuleList([attn, mlp]).requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    _check_merge_keeps_state(model, lambda m: merge_projections(m) == 2)
+    assert merge_projections(model) == 0
+    assert attn.qkv_weight.shape == (192, 96) and mlp.gate_up_weight.shape == (320, 96)
+    assert (attn.qkv_bias is not None) == bias and (mlp.gate_up_bias is not None) == bias
+    assert not any(t is attn.qkv_weight for t in model.state_dict().values())
+    assert not attn.k_proj.weight.requires_grad
+    with torch.no_grad():
+        attn.k_proj.weight.fill_(3.0)
+        mlp.up_proj.weight.copy_(torch.ones(160, 96))
+    assert torch.equal(attn.qkv_weight[96:144], torch.full((48, 96), 3.0))
+    assert torch.equal(mlp.gate_up_weight[160:], torch.ones(160, 96))
+    model.double()
+    _check_merge_keeps_state(model, lambda m: merge_projections(m) == 2)
+    assert attn.qkv_weight.dtype == torch.float64
+
+
 # ---- whole models ----------------------------------------------------------------------------
 
 TINY = dict(
@@ -176,15 +285,19 @@ def _tiny_configs() -> dict:
 
     return {
         # (config, modules enable_fused_ops switches: per layer + the final norm)
-        "llama": (t.LlamaConfig(**TINY, tie_word_embeddings=False), 3 * 4 + 1),
-        "qwen3": (t.Qwen3Config(**TINY, tie_word_embeddings=False), 3 * 6 + 1),
+        "llama": (t.LlamaConfig(**TINY, tie_word_embeddings=False), 3 * 5 + 1),
+        "llama_bias": (
+            t.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+            3 * 5 + 1,
+        ),
+        "qwen3": (t.Qwen3Config(**TINY, tie_word_embeddings=False), 3 * 7 + 1),
         "gemma3": (
             t.Gemma3TextConfig(
                 **TINY, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                 sliding_window=5, query_pre_attn_scalar=24, rope_local_base_freq=10000.0,
                 partial_rotary_factor=0.5,
             ),
-            3 * 8 + 1,
+            3 * 9 + 1,
         ),
     }  # fmt: skip
 
@@ -193,7 +306,9 @@ def _tiny_configs() -> dict:
 @pytest.mark.parametrize("name", list(_tiny_configs()))
 def test_triton_fused_ops_model(tmp_path, name):
     """Per-position logits and greedy tokens of a tiny random model are the same with the fused
-    ops on as with the eager blocks (float32: equal up to reduction order)."""
+    ops and merged projections on as with the eager blocks (float32: equal up to reduction
+    order); enabling keeps the state dict and adds no weight memory; disabling gives back the
+    eager results exactly."""
     from swaserve import Engine, SamplingParams
     from swaserve.ops import enable_fused_ops
     from tests.helpers import engine_prompt_logits, save_random_hf_model
@@ -215,8 +330,10 @@ def test_triton_fused_ops_model(tmp_path, name):
         return logits, out[0].outputs[0].token_ids
 
     want_logits, want_tokens = run()
-    assert enable_fused_ops(model) == switched
+    _check_merge_keeps_state(model, lambda m: enable_fused_ops(m) == switched)
     got_logits, got_tokens = run()
-    assert enable_fused_ops(model, enabled=False) == switched
     assert (got_logits - want_logits).abs().max().item() < 1e-4
     assert got_tokens == want_tokens
+    assert enable_fused_ops(model, enabled=False) == switched
+    eager_logits, eager_tokens = run()
+    assert torch.equal(eager_logits, want_logits) and eager_tokens == want_tokens
