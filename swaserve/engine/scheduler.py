@@ -116,7 +116,17 @@ class Scheduler:
             while not self.memory.allocate(req, n):
                 if self.cache is not None and self.cache.evict(self.memory.shortfall(req, n)):
                     continue
+                k = self._largest_fit(req, n)
+                if k:
+                    n = k  # a shorter prefill chunk fits: progress without preempting anyone
+                    continue
                 victim = self.running[-1]
+                if victim is req and len(self.running) == 1:
+                    # Alone, with no cache page left to take and no shorter chunk: it never fits.
+                    self.running.remove(req)
+                    batch.rejected.append(self._finish(req))
+                    log.error("request %s cannot fit in the KV pool; aborted", req.request_id)
+                    break
                 self._preempt(victim, batch)
                 if victim is req:
                     break
@@ -125,9 +135,10 @@ class Scheduler:
                 budget -= n
         if batch.preempted:
             return batch  # memory is tight: admit nobody new this step
+        reserve = self._growth_reserve(batch)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = self._admit(req, budget)
+            n = self._admit(req, budget, reserve)
             if n is None:
                 if not self.running:
                     # The pool is empty and still cannot take one chunk: it never will.
@@ -152,17 +163,48 @@ class Scheduler:
         """The request's cached prefix is still being loaded: not in this step's forward."""
         return self.cache is not None and self.cache.loads_pending(req.request_id)
 
-    def _admit(self, req: Request, budget: int) -> int | None:
+    def _largest_fit(self, req: Request, n: int) -> int:
+        """The longest chunk shorter than n that `allocate` would take now (0: none)."""
+        lo, hi = 0, n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.memory.shortfall(req, mid) == 0:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _growth_reserve(self, batch: ScheduledBatch) -> int:
+        """Pages the running requests will soon need: the rest of each prompt still being
+        prefilled, and one page per decoding request (its next `page_size` tokens), per
+        growing group. Admission leaves them free, so a request admitted now is not preempted
+        by the older requests' growth a few steps later (admit, preempt, recompute, repeat
+        while memory stays tight). SWA groups need at most a window of pages."""
+        groups = self.memory.layout.groups
+        ps = self.memory.page_size
+        reserve = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            end = req.num_computed_tokens + n
+            target = max(req.num_prompt_tokens, end + ps)
+            grow = -(-target // ps) - -(-end // ps)
+            for g in groups:
+                if g.window is None:
+                    reserve += grow
+                elif end < g.window + ps:  # past that, it retires a page per page it adds
+                    reserve += min(grow, -(-g.window // ps) + 1)
+        return reserve
+
+    def _admit(self, req: Request, budget: int, reserve: int = 0) -> int | None:
         """Allocate the first chunk of a waiting request, from its longest cached prefix.
         Returns the chunk's token count, or None (nothing changed) when it does not fit."""
         hit = None
         if self.cache is not None and req.params.prompt_logprobs is None:
             # Prompt logprobs need every prompt position computed: no hit for those.
             hit = self.cache.match(req.tokens(0, req.num_tokens), req.num_tokens - 1)
-        n = self._fit(req, hit, budget)
+        n = self._fit(req, hit, budget, reserve)
         if n is None and hit is not None and hit.num_tokens and not self.running:
             hit = None  # nothing else runs: as a miss it may fit where the hit's pages do not
-            n = self._fit(req, hit, budget)
+            n = self._fit(req, hit, budget, reserve)
         if n is None:
             return None
         if self.cache is not None:
@@ -175,14 +217,20 @@ class Scheduler:
         assert ok, "_fit promised a joint fit"
         return n
 
-    def _fit(self, req: Request, hit: PrefixHit | None, budget: int) -> int | None:
+    def _fit(
+        self, req: Request, hit: PrefixHit | None, budget: int, reserve: int = 0
+    ) -> int | None:
         """The chunk a waiting request would start with, if its pages fit (joint fit plus the
-        watermark), evicting unlocked cache pages (never the hit's) to make room."""
+        watermark and the running requests' growth reserve), evicting unlocked cache pages
+        (never the hit's) to make room. When the whole chunk does not fit, a shorter one of
+        whole pages does (at least one new page per group): a long prompt starts where its
+        first chunk's SWA pages for every group would not fit at once."""
         p = hit.num_tokens if hit is not None else 0
         n = min(req.num_tokens - p, budget)
-        need = self.memory.pages_to_cover(p, p + n) + self.memory.watermark_pages
+        fixed = self.memory.watermark_pages + reserve
         if hit is not None:
-            need += hit.extra_pages
+            fixed += hit.extra_pages
+        need = self.memory.pages_to_cover(p, p + n) + fixed
         short = need - self.memory.pool.num_free
         if short > 0 and self.cache is not None:
             if hit is not None:
@@ -192,7 +240,15 @@ class Scheduler:
             finally:
                 if hit is not None:
                     self.cache.unlock(hit)
-        return n if need <= self.memory.pool.num_free else None
+        free = self.memory.pool.num_free
+        if need <= free:
+            return n
+        ps = self.memory.page_size
+        per_group = (free - fixed) // len(self.memory.layout.groups)
+        if per_group < 1:
+            return None
+        k = min(n, (-(-p // ps) + per_group) * ps - p)
+        return k if k > 0 else None
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         """Recompute later: drop every page; the request keeps its tokens and goes first."""
