@@ -223,15 +223,22 @@ class Scheduler:
         """The chunk a waiting request would start with, if its pages fit (joint fit plus the
         watermark and the running requests' growth reserve), evicting unlocked cache pages
         (never the hit's) to make room. When the whole chunk does not fit, a shorter one of
-        whole pages does (at least one new page per group): a long prompt starts where its
-        first chunk's SWA pages for every group would not fit at once."""
+        whole pages does (at least one new page per group), if the full groups have room for
+        the whole prompt: a long prompt starts where its first chunk's SWA pages for every
+        group would not fit at once."""
         p = hit.num_tokens if hit is not None else 0
         n = min(req.num_tokens - p, budget)
         fixed = self.memory.watermark_pages + reserve
         if hit is not None:
             fixed += hit.extra_pages
+        ps = self.memory.page_size
+        groups = self.memory.layout.groups
         need = self.memory.pages_to_cover(p, p + n) + fixed
-        short = need - self.memory.pool.num_free
+        # The full groups must have room for the whole prompt: their pages never retire, so a
+        # prompt started without it is preempted before it ends and recomputed, again and again.
+        prompt_pages = -(-req.num_prompt_tokens // ps) - -(-p // ps)
+        full_need = sum(g.window is None for g in groups) * prompt_pages + fixed
+        short = max(need, full_need) - self.memory.pool.num_free
         if short > 0 and self.cache is not None:
             if hit is not None:
                 self.cache.lock(hit)
@@ -241,10 +248,11 @@ class Scheduler:
                 if hit is not None:
                     self.cache.unlock(hit)
         free = self.memory.pool.num_free
+        if full_need > free:
+            return None
         if need <= free:
             return n
-        ps = self.memory.page_size
-        per_group = (free - fixed) // len(self.memory.layout.groups)
+        per_group = (free - fixed) // len(groups)
         if per_group < 1:
             return None
         k = min(n, (-(-p // ps) + per_group) * ps - p)

@@ -102,16 +102,20 @@ def test_window_aware_pool_holds_more_long_requests(gemma):
     kv_gb = 2.5 * ctx * len(LAYER_TYPES) * 2 * KV_HEADS * HEAD_DIM * 4 / 2**30
     prompts = [q[:LONG] for q in _prompts(6, LONG, seed=5)]
     p = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    toks, peak, pages = {}, {}, {}
+    toks, peak, pages, preempted = {}, {}, {}, {}
     for off in (False, True):
         e = _engine(folder, off, kv_cache_gb=kv_gb, disable_prefix_cache=True,
                     max_num_batched_tokens=chunk)
         pages[off] = e.memory_stats()["pages_total"]
         toks[off], peak[off] = _generate_tracking_peak(e, prompts, p)
+        preempted[off] = e.core.scheduler.num_preemptions
         e.core.memory.check_integrity()
     assert toks[False] == toks[True]  # the all-full pool queues and preempts: same tokens
     # all full: 3 requests past LONG tokens need more pages than the pool has
     assert peak[True] <= 2 < peak[False], peak
+    # A prompt waits until the full group has room for all of it: admitted in chunks without
+    # that room it would be preempted before it ends and recomputed, over and over.
+    assert preempted[True] == 0, preempted
     # the memory benchmark agrees: more concurrent requests of ctx tokens in the same bytes
     mb = run_memory_bench(layer_windows(e.core.hf_config), PAGE, KV_HEADS, HEAD_DIM, ctx,
                           kv_gb, chunk=chunk, dtype_bytes=4)
