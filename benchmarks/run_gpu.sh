@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every GPU benchmark of the project in priority order, each under its own time limit, logs
+# and JSON under $OUT (default ./bench_out). One device call; a cut-off run keeps what the
+# earlier ones wrote. Usage (repo root): bash benchmarks/run_gpu.sh [gemma-270m.gguf]
+set -u
+OUT=${OUT:-bench_out}
+export OUT PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+mkdir -p "$OUT"
+step() {  # step NAME SECONDS CMD...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "$name: rc=$? in $((SECONDS - t0)) s"
+}
+step engine_decode 240 python3 benchmarks/engine_decode.py
+step offline_vs_hf 420 python3 benchmarks/offline_vs_hf.py 1000 32
+step attention 120 python3 benchmarks/attention_kernels.py
+step fp8_sweep 150 python3 benchmarks/fp8_attention_sweep.py
+step window_vs_full 240 python3 benchmarks/window_vs_full.py
+step fp8_vs_bf16 180 python3 benchmarks/fp8_vs_bf16.py
+if [ $# -ge 1 ]; then
+    step fp8_gemma270m 300 python3 benchmarks/fp8_gemma270m.py "$1"
+fi
+step gpu_tests 300 python3 -m pytest -q tests/gpu
+for f in "$OUT"/*.log; do
+    echo "== $f"
+    tail -n 15 "$f"
+done
