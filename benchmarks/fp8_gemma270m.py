@@ -65,11 +65,11 @@ def main() -> int:
     with open(os.path.join(out_dir, "fp8_gemma270m.json"), "w") as f:
         json.dump(res | {"outputs": outs}, f, indent=1)
     ratio = res["fp8_e4m3_capacity_tokens"] / res["auto_capacity_tokens"]
-    print("\n| Gemma 3 270M, 2 GiB KV | bf16 KV | fp8 KV |")
+    print("\n| Gemma 3 270M, 2 GiB KV | model-dtype KV | fp8 KV |")
     print("|---|---|---|")
     print(f"| capacity (tokens) | {res['auto_capacity_tokens']} | "
           f"{res['fp8_e4m3_capacity_tokens']} ({ratio:.2f}x) |")
-    print(f"| greedy 32 tokens identical to bf16 KV | | {sum(same)}/{len(PROMPTS)} "
+    print(f"| greedy 32 tokens identical to model-dtype KV | | {sum(same)}/{len(PROMPTS)} "
           f"(first divergence at {first_diff}) |")
     return 0
 
