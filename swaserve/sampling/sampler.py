@@ -283,7 +283,9 @@ def apply_top_k_top_p(
         mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix sum, best first
         drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         untouched &= top_p >= 1.0
-    # Kept = a non-empty prefix (position 0 survives: k >= 1 and mass_before[0] = 0 < p).
+    # Kept = a non-empty prefix: the best token always survives (k >= 1, and mass_before[0]
+    # is 0 < p, except for a p so small that it is 0 in float32: keep it then too).
+    drop[:, 0] = False
     num_kept = (~drop).sum(dim=-1, keepdim=True)
     cutoff = cand.gather(1, num_kept - 1)
     # Rows with neither filter keep everything (with a partial topk, cand would cut them).

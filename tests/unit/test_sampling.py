@@ -580,3 +580,20 @@ def test_sampler_does_not_read_device_tensors_back(monkeypatch):
     out = Sampler(eos_token_ids=[EOS], seed=0)(logits, rows)
     monkeypatch.undo()
     assert out.token_ids.shape == (4,)
+
+
+def test_top_p_below_float32_resolution_keeps_the_best_token():
+    """top_p = 1e-50 is valid (> 0) but is 0.0 in float32: the best token must still survive
+    (an empty kept set used to index position -1 and kill the engine core)."""
+    from swaserve.sampling.sampler import apply_top_k_top_p
+
+    logits = torch.tensor([[0.5, 2.0, 1.0], [1.0, 1.0, 3.0]])
+    apply_top_k_top_p(logits, None, torch.tensor([0.0, 1e-50], dtype=torch.float32))
+    assert logits[0].argmax() == 1 and torch.isinf(logits[0]).sum() == 2
+    assert logits[1].argmax() == 2 and torch.isinf(logits[1]).sum() == 2
+    out = Sampler()(torch.randn(2, 50), [
+        SamplingRow(SamplingParams(temperature=1.0, top_p=1e-50, seed=1), make_generator(1, "cpu"),
+                    [1], []),
+        SamplingRow(SamplingParams(temperature=0.7, top_p=1e-50, top_k=5), None, [1], []),
+    ])
+    assert out.token_ids.shape == (2,)
