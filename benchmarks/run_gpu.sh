@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Every GPU benchmark of the project in priority order, each under its own time limit, logs
-# and JSON under $OUT (default ./bench_out). One device call; a cut-off run keeps what the
-# earlier ones wrote. Usage (repo root): bash benchmarks/run_gpu.sh [gemma-270m.gguf]
+# and JSON under $OUT (default ./bench_out); a cut-off run keeps what the earlier ones wrote.
+# All of them take ~30 min: more than one device call (10 min each), so pick with STEPS, e.g.
+#   STEPS="engine_decode offline_vs_hf" bash benchmarks/run_gpu.sh
+#   STEPS="window_vs_full fp8_vs_bf16 fp8_gemma270m" bash benchmarks/run_gpu.sh g.gguf
+# Usage (repo root): [STEPS="..."] bash benchmarks/run_gpu.sh [gemma-3-270m.gguf]
 set -u
 OUT=${OUT:-bench_out}
 export OUT PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 mkdir -p "$OUT"
+STEPS=${STEPS:-engine_decode offline_vs_hf attention fp8_sweep window_vs_full fp8_vs_bf16 fp8_gemma270m gpu_tests}
 step() {  # step NAME SECONDS CMD...
     local name=$1 limit=$2
     shift 2
+    case " $STEPS " in *" $name "*) ;; *) return ;; esac
     local t0=$SECONDS
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "$name: rc=$? in $((SECONDS - t0)) s"
