@@ -28,6 +28,7 @@ if [ $# -ge 1 ]; then
     step fp8_gemma270m 300 python3 benchmarks/fp8_gemma270m.py "$1"
 fi
 step gpu_tests 300 python3 -m pytest -q tests/gpu
+shopt -s nullglob
 for f in "$OUT"/*.log; do
     echo "== $f"
     tail -n 15 "$f"
