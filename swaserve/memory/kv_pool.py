@@ -77,6 +77,7 @@ class KVPool:
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages (every layer slot, K and V): copy-on-write of a shared page."""
         if src:
-            s = torch.tensor(src, device=self.kv.device)
-            d = torch.tensor(dst, device=self.kv.device)
+            # Host lists -> device without a stream sync (torch.tensor(..., device=cuda) waits).
+            s = torch.tensor(src).to(self.kv.device, non_blocking=True)
+            d = torch.tensor(dst).to(self.kv.device, non_blocking=True)
             self.kv[:, :, d] = self.kv[:, :, s]
