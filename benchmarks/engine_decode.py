@@ -20,39 +20,19 @@ import time
 import torch
 
 from swaserve import Engine, SamplingParams
+from swaserve.bench.offline import copy_bandwidth, generate_timed
 
 PROMPT = [list(range(1000, 1128))]
 
 
-def copy_bandwidth() -> float:
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    bw = 20 * 2 * x.numel() / (time.perf_counter() - t)
-    del x, y
-    return bw
-
-
-def timed(engine: Engine, prompts: list[list[int]], n: int) -> float:
-    p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    engine.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
 def per_token(engine: Engine, prompts: list[list[int]], n: int = 129) -> float:
     """Seconds per decode step: (time for n tokens - time for 1) / (n - 1), after warm-up."""
-    timed(engine, prompts, 8)
-    t1 = min(timed(engine, prompts, 1) for _ in range(2))
-    tn = timed(engine, prompts, n)
+    def timed(k: int) -> float:
+        return generate_timed(engine, prompts, [k] * len(prompts))
+
+    timed(8)
+    t1 = min(timed(1) for _ in range(2))
+    tn = timed(n)
     return (tn - t1) / (n - 1)
 
 
@@ -83,7 +63,7 @@ def main() -> int:
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     res: dict = {"copy_bw_GBps": bw / 1e9}
     kw = dict(model="llama-3.1-8b", load_format="dummy", max_model_len=4096,
               cuda_graph_max_bs=64, max_num_seqs=64, gpu_memory_utilization=0.9, seed=0)

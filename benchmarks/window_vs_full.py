@@ -35,6 +35,7 @@ import torch
 
 from swaserve import Engine, SamplingParams
 from swaserve.bench.memory import run_memory_bench
+from swaserve.bench.offline import run_tracked
 from swaserve.memory.manager import page_bytes
 from swaserve.models.blocks import head_dim_of, layer_windows
 
@@ -45,11 +46,6 @@ TINY_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] 
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def tiny_gemma3_folder(root: Path) -> Path:
@@ -109,49 +105,6 @@ def correctness(folder: Path, cuda: bool) -> dict[str, Any]:
     return {"backend": backend, "prompt_lens": [len(p) for p in prompts],
             "window": TINY_WINDOW, "tokens_equal": same, "tokens_total": total,
             "passed": toks[False] == toks[True]}
-
-
-def run_workload(
-    engine: Engine, prompts: list[list[int]], new_tokens: int
-) -> dict[str, Any]:
-    """All prompts at once, greedy, ignore_eos; wall time and the scheduler's peaks."""
-    core = engine.core
-    sched = core.scheduler
-    peak = {"running": 0, "decoding": 0}
-    step = core.step
-
-    def tracked() -> Any:
-        out = step()
-        running = sched.running
-        peak["running"] = max(peak["running"], len(running))
-        peak["decoding"] = max(
-            peak["decoding"],
-            sum(r.num_computed_tokens >= r.num_prompt_tokens for r in running),
-        )
-        return out
-
-    pre0 = sched.num_preemptions
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    core.step = tracked
-    try:
-        sync(core.device)
-        t = time.perf_counter()
-        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        sync(core.device)
-        wall = time.perf_counter() - t
-    finally:
-        core.step = step
-    n_out = sum(len(o.token_ids) for o in outs)
-    n_in = sum(map(len, prompts))
-    return {
-        "wall_s": wall,
-        "output_tokens": n_out,
-        "output_tok_s": n_out / wall,
-        "total_tok_s": (n_out + n_in) / wall,
-        "peak_running": peak["running"],
-        "peak_decoding": peak["decoding"],
-        "preemptions": sched.num_preemptions - pre0,
-    }
 
 
 def kv_info(engine: Engine, context: int, chunk: int, kv_gb: float) -> dict[str, Any]:
@@ -239,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         warm = [prompts[0][: min(len(prompts[0]), 2 * (eng.core.hf_config.sliding_window
                                                        or 64))]]
         t = time.perf_counter()
-        run_workload(eng, warm, 4)  # Triton compiles for prefill shapes
+        run_tracked(eng, warm, 4)  # Triton compiles for prefill shapes
         log(f"{name}: warm-up {time.perf_counter() - t:.1f} s")
-        res = run_workload(eng, prompts, new)
+        res = run_tracked(eng, prompts, new)
         log(f"{name}: {n} x ({context - new} + {new}) in {res['wall_s']:.1f} s, "
             f"peak running {res['peak_running']}, preemptions {res['preemptions']}")
         eng.core.memory.check_integrity()

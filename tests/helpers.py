@@ -45,3 +45,18 @@ def save_random_hf_model(cfg, folder):
             p.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return model.eval()
+
+
+def tiny_gemma3_config(**overrides):
+    """A small Gemma 3 text config for engine tests: two SWA layers (window 24) and one full,
+    2 KV heads of 16 dims; `overrides` set what a test measures (layer_types sets the depth)."""
+    import transformers
+
+    args = dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, sliding_window=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16, max_position_embeddings=2048,
+    )
+    args.update(overrides)
+    return transformers.Gemma3TextConfig(num_hidden_layers=len(args["layer_types"]), **args)

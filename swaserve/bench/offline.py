@@ -56,6 +56,47 @@ def generate_timed(engine: Any, prompts: list[list[int]], max_tokens: list[int])
     return time.perf_counter() - t
 
 
+def run_tracked(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """All prompts at once, greedy, ignore_eos: wall time, throughput and the scheduler's peaks
+    (requests running, requests past their prompt) and preemptions during the run."""
+    core = engine.core
+    sched = core.scheduler
+    peak = {"running": 0, "decoding": 0}
+    step = core.step
+
+    def tracked() -> Any:
+        out = step()
+        running = sched.running
+        peak["running"] = max(peak["running"], len(running))
+        peak["decoding"] = max(
+            peak["decoding"], sum(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
+        )
+        return out
+
+    pre0 = sched.num_preemptions
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    core.step = tracked
+    try:
+        _sync(core.device)
+        t = time.perf_counter()
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        _sync(core.device)
+        wall = time.perf_counter() - t
+    finally:
+        core.step = step
+    n_out = sum(len(o.token_ids) for o in outs)
+    n_in = sum(map(len, prompts))
+    return {
+        "wall_s": wall,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / wall,
+        "total_tok_s": (n_out + n_in) / wall,
+        "peak_running": peak["running"],
+        "peak_decoding": peak["decoding"],
+        "preemptions": sched.num_preemptions - pre0,
+    }
+
+
 def run_offline_bench(
     engine: Any,
     num_prompts: int,

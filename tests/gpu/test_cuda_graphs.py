@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import engine_prompt_logits, save_random_hf_model
+from tests.helpers import engine_prompt_logits, save_random_hf_model, tiny_gemma3_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,12 +25,7 @@ def tiny(tmp_path_factory):
             num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
             max_position_embeddings=2048, tie_word_embeddings=False,
         ),
-        "gemma3": transformers.Gemma3TextConfig(
-            vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=24,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-            query_pre_attn_scalar=16, max_position_embeddings=2048,
-        ),
+        "gemma3": tiny_gemma3_config(),
     }
     for name, cfg in cfgs.items():
         folder = tmp_path_factory.mktemp(name)

@@ -13,10 +13,9 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import save_random_hf_model
+from tests.helpers import save_random_hf_model, tiny_gemma3_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,19 +27,7 @@ PAGE_BYTES = 2 * 16 * 2 * 16 * 4  # one page id: K and V of 16 tokens, 2 heads o
 
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=3,
-        sliding_window=24,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        query_pre_attn_scalar=16,
-        max_position_embeddings=2048,
-    )
+    cfg = tiny_gemma3_config()
     folder = tmp_path_factory.mktemp("gemma3_host_tier")
     save_random_hf_model(cfg, folder)
     return str(folder)

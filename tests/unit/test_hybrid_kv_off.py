@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from swaserve import Engine, SamplingParams
 from swaserve.bench.memory import run_memory_bench
 from swaserve.models.blocks import layer_windows
-from tests.helpers import engine_prompt_logits, save_random_hf_model
+from tests.helpers import engine_prompt_logits, save_random_hf_model, tiny_gemma3_config
 
 WINDOW = 24
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
@@ -21,11 +20,10 @@ LONG = 160  # prompt tokens of the memory test: > 6 windows
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    cfg = transformers.Gemma3TextConfig(
+    cfg = tiny_gemma3_config(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_hidden_layers=len(LAYER_TYPES),
-        layer_types=LAYER_TYPES, sliding_window=WINDOW, query_pre_attn_scalar=16,
-        max_position_embeddings=512,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, layer_types=LAYER_TYPES,
+        sliding_window=WINDOW, max_position_embeddings=512,
     )
     folder = tmp_path_factory.mktemp("gemma3_hybrid_off")
     return folder, save_random_hf_model(cfg, folder)

@@ -8,20 +8,17 @@ from __future__ import annotations
 import random
 
 import pytest
-import transformers
 
 from swaserve import Engine, SamplingParams
 from swaserve.engine.request import PLACEHOLDER
-from tests.helpers import save_random_hf_model
+from tests.helpers import save_random_hf_model, tiny_gemma3_config
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    cfg = transformers.Gemma3TextConfig(
+    cfg = tiny_gemma3_config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=12,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        query_pre_attn_scalar=16, max_position_embeddings=256, eos_token_id=3,
+        sliding_window=12, max_position_embeddings=256, eos_token_id=3,
     )
     out = tmp_path_factory.mktemp("tiny_gemma3")
     save_random_hf_model(cfg, out)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import save_random_hf_model
+from tests.helpers import save_random_hf_model, tiny_gemma3_config
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -198,19 +197,9 @@ def test_prompt_logprobs_requests_skip_the_cache(gemma_engine):
 
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=3,
-        sliding_window=24,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        query_pre_attn_scalar=16,
-        max_position_embeddings=1024,
-        eos_token_id=1,
+    cfg = tiny_gemma3_config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        max_position_embeddings=1024, eos_token_id=1,
     )
     folder = tmp_path_factory.mktemp("tiny_gemma3_hold")
     save_random_hf_model(cfg, folder)

@@ -165,41 +165,30 @@ class Sim:
         self.check()
         return freed
 
+    def _pages_of(self, hit) -> set[tuple]:
+        """Every device and offload page slot of the hit's nodes."""
+        groups = range(len(self.win))
+        dev = {
+            (id(node), g, i, node.dev[g][i])
+            for node in hit.nodes for g in groups for i in range(node.n_slots)
+        }
+        off = {
+            (id(node), t, g, i, node.off[t][g][i])
+            for node in hit.nodes for t in range(len(node.off)) for g in groups
+            for i in range(node.n_slots)
+        }
+        return dev | {("off", *key) for key in off}
+
     def locked_evict(self, hit, n: int) -> int:
         self.cache.lock(hit)
-        pinned = {
-            (id(node), g, i, node.dev[g][i])
-            for node in hit.nodes
-            for g in range(len(self.win))
-            for i in range(node.n_slots)
-        }
-        offl = {
-            (id(node), t, g, i, node.off[t][g][i])
-            for node in hit.nodes
-            for t in range(len(node.off))
-            for g in range(len(self.win))
-            for i in range(node.n_slots)
-        }
+        before = self._pages_of(hit)
         try:
             freed = self.evict(n)
             for node in hit.nodes:
                 assert node in self.cache.nodes, "a locked node was removed"
         finally:
             self.cache.unlock(hit)
-        now = {
-            (id(node), g, i, node.dev[g][i])
-            for node in hit.nodes
-            for g in range(len(self.win))
-            for i in range(node.n_slots)
-        }
-        now_off = {
-            (id(node), t, g, i, node.off[t][g][i])
-            for node in hit.nodes
-            for t in range(len(node.off))
-            for g in range(len(self.win))
-            for i in range(node.n_slots)
-        }
-        assert pinned == now and offl == now_off, "a pinned node changed during eviction"
+        assert before == self._pages_of(hit), "a pinned node changed during eviction"
         self.check()
         return freed
 

@@ -8,21 +8,19 @@ from __future__ import annotations
 import random
 
 import pytest
-import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import save_random_hf_model
+from tests.helpers import save_random_hf_model, tiny_gemma3_config
 
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    cfg = transformers.Gemma3TextConfig(
+    cfg = tiny_gemma3_config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_hidden_layers=4, sliding_window=8,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        query_pre_attn_scalar=16, max_position_embeddings=1024,
+        sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=1024,
     )
     out = tmp_path_factory.mktemp("tiny_gemma3_pressure")
     save_random_hf_model(cfg, out)
