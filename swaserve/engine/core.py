@@ -244,7 +244,10 @@ class EngineCore:
             fb = self.runner.prepare(batch, self.memory, fill)
             hidden = self.runner.forward(fb)
             if samplers:
-                logits = self.runner.logits(hidden[torch.tensor(rows, device=self.device)])
+                # Not torch.tensor(rows, device=...): that copy blocks the host until the step
+                # in flight is done, which would undo the overlap.
+                idx = torch.tensor(rows).to(self.device, non_blocking=True)
+                logits = self.runner.logits(hidden[idx])
             self._prompt_logprobs(batch, hidden)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
