@@ -6,7 +6,10 @@ full groups), to its last new token. Slots below that start may be retired (NULL
 read. Each layer then attends with its own window (`spec.window`), not its group's: a sliding
 layer in a full group (`disable_hybrid_kv_cache`, every layer keeps its whole KV) still sees
 only `q - window < k <= q`. `forward` takes that layer's key range as a suffix of the group's
-slots and builds its mask once per step and window (cached on the metadata).
+slots and builds its mask once per step and window (cached on the metadata). With an FP8 pool
+a prefill chunk's own keys and values (the last rows of its request's keys) come from the
+step's K/V at full precision, as in the Triton kernel: only the cached prefix is quantised. A
+decode token reads its own key from the cache like the rest.
 """
 
 from __future__ import annotations
@@ -98,9 +101,14 @@ class TorchBackend(AttentionBackend):
         fb.kv.store(spec.layer_id, k, v, gm.slot_mapping)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc
+        fp8 = getattr(fb.kv, "is_fp8", False)
         for r in range(len(qsl) - 1):
+            n = qsl[r + 1] - qsl[r]
             slots, mask = gm.visible(r, spec.window)  # the layer's window, not the group's
             keys, vals = fb.kv.read(spec.layer_id, slots)
+            if fp8 and n > 1:  # a prefill chunk's own keys (the last rows) at full precision
+                keys[-n:] = k[qsl[r] : qsl[r + 1]]
+                vals[-n:] = v[qsl[r] : qsl[r + 1]]
             out[qsl[r] : qsl[r + 1]] = attend(
                 q[qsl[r] : qsl[r + 1]], keys, vals, mask, spec.scale, spec.softcap, sinks
             )

@@ -110,6 +110,9 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = fb.kv.layer_cache(spec.layer_id)
         k_scale, v_scale = _kv_scales(fb.kv, spec.layer_id)
         store_kv(k, v, k_cache, v_cache, gm.slot_mapping, k_scale, v_scale)
+        # fp8: prefill chunks attend to their own K/V at full precision (see paged_attention);
+        # decode-only steps (the CUDA graphs) read the cache alone, as the kernel would
+        fresh = k_cache.dtype == torch.float8_e4m3fn and not meta.decode_only
         return paged_attention(
             q,
             k_cache,
@@ -126,4 +129,6 @@ class TritonBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             num_splits=meta.num_splits,
+            k_new=k if fresh else None,
+            v_new=v if fresh else None,
         )

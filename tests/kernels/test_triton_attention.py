@@ -58,12 +58,17 @@ class Case:
     window: int
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # the new tokens' own K/V `[T, Hkv, D]` at full precision: a request with more than one new
+    # token reads them (their cache slots are NaN), a decode token the cache (its rows are NaN)
+    k_new: torch.Tensor | None = None
+    v_new: torch.Tensor | None = None
 
     def run(self, **kw) -> torch.Tensor:
         return paged_attention(
             self.q, self.k_cache, self.v_cache, self.block_table, self.qsl, self.seq_lens,
             max_query_len=max(self.qlens), max_seq_len=int(self.seq_lens.max()),
-            window=self.window, k_scale=self.k_scale, v_scale=self.v_scale, **kw,
+            window=self.window, k_scale=self.k_scale, v_scale=self.v_scale, k_new=self.k_new,
+            v_new=self.v_new, **kw,
         )
 
     def reference(
@@ -82,9 +87,13 @@ class Case:
             mask = kpos <= qpos
             if self.window:
                 mask &= kpos > qpos - self.window
+            keys, vals = kf[slots], vf[slots]
+            if self.k_new is not None and n > 1:  # the last n keys are the new tokens'
+                keys[-n:] = self.k_new[row : row + n].float()
+                vals[-n:] = self.v_new[row : row + n].float()
             out[row : row + n] = attend(
-                self.q[row : row + n].float(), kf[slots], vf[slots], mask.to(self.q.device),
-                scale, softcap or None, sinks,
+                self.q[row : row + n].float(), keys, vals, mask.to(self.q.device), scale,
+                softcap or None, sinks,
             )
             row += n
         return out
@@ -102,6 +111,7 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     kv_dtype: torch.dtype | None = None,
     seed: int = 0,
+    fresh: bool = False,
 ) -> Case:
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
@@ -129,6 +139,21 @@ def make_case(
         for i in range(start // page_size):  # retire pages wholly before the window
             table[i] = NULL
         tables.append(table)
+    k_new = v_new = None
+    if fresh:  # the new tokens' K/V live outside the cache: poison their slots
+        k_new = torch.empty(sum(qlens), num_kv_heads, head_dim)
+        v_new = torch.empty_like(k_new)
+        row = 0
+        for n, ctx, table in zip(qlens, ctxs, tables):
+            for p in range(ctx, ctx + n):
+                slot = (table[p // page_size], p % page_size)
+                if n > 1:
+                    k_new[row], v_new[row] = k[slot], v[slot]
+                    k[slot] = v[slot] = float("nan")
+                else:
+                    k_new[row] = v_new[row] = float("nan")
+                row += 1
+        k_new, v_new = k_new.to(DEVICE, dtype), v_new.to(DEVICE, dtype)
     if kv_dtype == FP8:
         k = (k / k_scale).clamp(-448, 448)  # NaN stays NaN
         v = (v / v_scale).clamp(-448, 448)
@@ -139,7 +164,7 @@ def make_case(
     return Case(
         q.to(DEVICE, dtype), k.to(DEVICE, kv_dtype), v.to(DEVICE, kv_dtype), bt.to(DEVICE),
         qsl.to(DEVICE), torch.tensor(seq, dtype=torch.int32, device=DEVICE), list(qlens),
-        list(ctxs), tables, page_size, window, k_scale, v_scale,
+        list(ctxs), tables, page_size, window, k_scale, v_scale, k_new, v_new,
     )
 
 
@@ -230,6 +255,30 @@ def test_triton_fp8_kv(q_dtype, window):
         [1, 9, 3], [160, 4, 0], group=4, window=window, dtype=q_dtype, kv_dtype=FP8, seed=70
     )
     check(case, atol=1e-4 if q_dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize(
+    "qlens,ctxs,window,group,head_dim,q_dtype",
+    [
+        ([1, 1, 1], [63, 64, 200], 0, 4, 32, torch.float32),  # decode: the cache only
+        ([1, 9, 3], [160, 4, 0], 5, 4, 32, torch.bfloat16),  # mixed, window < chunk
+        ([150], [0], 0, 1, 16, torch.float32),  # fresh-only tiles, masked and unmasked
+        ([70, 2], [64, 130], 40, 8, 48, torch.float32),  # ctx on a tile edge, D padded
+        ([100], [37], 0, 4, 32, torch.bfloat16),  # straddling tile then fresh-only ones
+    ],
+)
+def test_triton_fp8_kv_fresh_new_tokens(qlens, ctxs, window, group, head_dim, q_dtype):
+    """k_new/v_new: a prefill chunk's keys from the step's own K/V, its prefix from the fp8
+    cache; decode tokens from the cache alone. Whatever must not be read holds NaN."""
+    case = make_case(qlens, ctxs, group=group, head_dim=head_dim, window=window, dtype=q_dtype,
+                     kv_dtype=FP8, seed=75, fresh=True)
+    check(case, atol=1e-4 if q_dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("num_splits", [4, 32])
+def test_triton_fp8_kv_fresh_split(num_splits):
+    case = make_case([1, 1, 2], [150, 3, 70], group=4, kv_dtype=FP8, seed=77, fresh=True)
+    check(case, num_splits=num_splits)
 
 
 # ---- split-KV (flash-decoding) -----------------------------------------------------------------

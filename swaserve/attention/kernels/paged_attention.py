@@ -209,11 +209,28 @@ def _e4m3_to_f16(x):
     )
 
 
+# Key sources of a tile (`_attn_tile`'s SOURCE)
+CACHE = tl.constexpr(0)
+FRESH = tl.constexpr(1)
+MIXED = tl.constexpr(2)
+
+
+@triton.jit
+def _fresh_to_dot(x, inv_scale, q):
+    """A new token's K or V (model dtype) in the units of the fp8 cache (x / scale), in q's
+    dtype (the dot operand); fp16 saturates at +-65504 (the fp8 store would at +-448)."""
+    x = x.to(tl.float32) * inv_scale
+    if q.dtype == tl.float16:
+        x = tl.minimum(tl.maximum(x, -65504.0), 65504.0)
+    return x.to(q.dtype)
+
+
 @triton.jit
 def _attn_tile(
     t, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window,
     qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp, stride_ko, stride_kh, stride_vp,
-    stride_vo, stride_vh,
+    stride_vo, stride_vh, k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    ctx, row0, k_inv, v_inv,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_FULL: tl.constexpr,
@@ -222,27 +239,52 @@ def _attn_tile(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     V_CVT_F16: tl.constexpr,
+    SOURCE: tl.constexpr,
 ):
     """One key tile t of the online softmax: keys t * BLOCK_N + [0, BLOCK_N), read iff in
     [lo, last]; returns the updated (m_i, l_i, acc). With MASKED False the caller guarantees
-    every row sees every key of the tile (no causal/window/bounds masks)."""
+    every row sees every key of the tile (no causal/window/bounds masks).
+
+    SOURCE: where the keys come from. CACHE: the paged cache. FRESH: the tile holds only keys of
+    the request's new tokens (positions >= ctx), read from the step's own K/V (`k_new_ptr`,
+    `v_new_ptr`: row row0 + position) in the model dtype: the caller passes q in that dtype and
+    a score scale without k_scale; p is scaled by `v_inv` (1 / v_scale) to keep the
+    accumulator in cache units. MIXED: the tile that straddles ctx (always MASKED): new keys
+    are brought to cache units (`k_inv`, `v_inv`) and the dot dtype of the cache tiles."""
     kpos = t * BLOCK_N + tl.arange(0, BLOCK_N)
     off = kpos % PAGE_SIZE
     if MASKED:
         k_valid = (kpos >= lo) & (kpos <= last)
-        page = tl.load(bt_row + kpos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
-        kt_mask = k_valid[None, :] & d_valid[:, None]
-        v_mask = k_valid[:, None] & d_valid[None, :]
     else:
-        page = tl.load(bt_row + kpos // PAGE_SIZE).to(tl.int64)
-        kt_mask = d_valid[:, None]
-        v_mask = d_valid[None, :]
-    k_offs = page * stride_kp + off * stride_ko + kv_head * stride_kh
-    if D_FULL and not MASKED:
-        kt = tl.load(k_cache_ptr + k_offs[None, :] + d[:, None])
-    else:
-        kt = tl.load(k_cache_ptr + k_offs[None, :] + d[:, None], mask=kt_mask, other=0.0)
-    kt = kt.to(q.dtype)  # [D_PAD, BLOCK_N]
+        k_valid = kpos >= 0  # all true; only MIXED reads it
+    in_cache = k_valid
+    is_new = k_valid
+    if SOURCE == MIXED:
+        is_new = kpos >= ctx
+        in_cache = k_valid & (kpos < ctx)
+    if SOURCE != FRESH:
+        if MASKED:
+            page = tl.load(bt_row + kpos // PAGE_SIZE, mask=in_cache, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + kpos // PAGE_SIZE).to(tl.int64)
+        k_offs = page * stride_kp + off * stride_ko + kv_head * stride_kh
+        if D_FULL and not MASKED:
+            kt = tl.load(k_cache_ptr + k_offs[None, :] + d[:, None])
+        else:
+            kt_mask = in_cache[None, :] & d_valid[:, None]
+            kt = tl.load(k_cache_ptr + k_offs[None, :] + d[:, None], mask=kt_mask, other=0.0)
+        kt = kt.to(q.dtype)  # [D_PAD, BLOCK_N]
+    if SOURCE != CACHE:
+        kn_offs = (row0 + kpos).to(tl.int64) * stride_knt + kv_head * stride_knh
+        if SOURCE == FRESH and D_FULL and not MASKED:
+            kn = tl.load(k_new_ptr + kn_offs[None, :] + d[:, None])
+        else:
+            kn_mask = (k_valid & is_new)[None, :] & d_valid[:, None]
+            kn = tl.load(k_new_ptr + kn_offs[None, :] + d[:, None], mask=kn_mask, other=0.0)
+        if SOURCE == MIXED:
+            kt = tl.where(is_new[None, :], _fresh_to_dot(kn, k_inv, q), kt)
+        else:
+            kt = kn.to(q.dtype)  # model units: the caller's q and score scale match
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)
     if USE_SOFTCAP:
         # tanh(x) = sign(x) (1 - e^{-2|x|}) / (1 + e^{-2|x|}), overflow-free
@@ -263,15 +305,29 @@ def _attn_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
-    v_offs = page * stride_vp + off * stride_vo + kv_head * stride_vh
-    if D_FULL and not MASKED:
-        v = tl.load(v_cache_ptr + v_offs[:, None] + d[None, :])
-    else:
-        v = tl.load(v_cache_ptr + v_offs[:, None] + d[None, :], mask=v_mask, other=0.0)
-    if V_CVT_F16:
-        v = _e4m3_to_f16(v)  # [BLOCK_N, D_PAD], q is fp16
-    else:
-        v = v.to(q.dtype)  # [BLOCK_N, D_PAD]
+    if SOURCE != FRESH:
+        v_offs = page * stride_vp + off * stride_vo + kv_head * stride_vh
+        if D_FULL and not MASKED:
+            v = tl.load(v_cache_ptr + v_offs[:, None] + d[None, :])
+        else:
+            v_mask = in_cache[:, None] & d_valid[None, :]
+            v = tl.load(v_cache_ptr + v_offs[:, None] + d[None, :], mask=v_mask, other=0.0)
+        if V_CVT_F16:
+            v = _e4m3_to_f16(v)  # [BLOCK_N, D_PAD], q is fp16
+        else:
+            v = v.to(q.dtype)  # [BLOCK_N, D_PAD]
+    if SOURCE != CACHE:
+        vn_offs = (row0 + kpos).to(tl.int64) * stride_vnt + kv_head * stride_vnh
+        if SOURCE == FRESH and D_FULL and not MASKED:
+            vn = tl.load(v_new_ptr + vn_offs[:, None] + d[None, :])
+        else:
+            vn_mask = (k_valid & is_new)[:, None] & d_valid[None, :]
+            vn = tl.load(v_new_ptr + vn_offs[:, None] + d[None, :], mask=vn_mask, other=0.0)
+        if SOURCE == MIXED:
+            v = tl.where(is_new[:, None], _fresh_to_dot(vn, v_inv, q), v)
+        else:
+            v = vn.to(q.dtype)
+            p = p * v_inv  # the accumulator is in cache units (x v_scale at the end)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -280,7 +336,8 @@ def _attn_tile(
 def _attn_tiles(
     t_begin, t_end, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d,
     d_valid, window, qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp, stride_ko,
-    stride_kh, stride_vp, stride_vo, stride_vh,
+    stride_kh, stride_vp, stride_vo, stride_vh, k_new_ptr, v_new_ptr, stride_knt, stride_knh,
+    stride_vnt, stride_vnh, ctx, row0, k_inv, v_inv,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_FULL: tl.constexpr,
@@ -289,6 +346,7 @@ def _attn_tiles(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     V_CVT_F16: tl.constexpr,
+    SOURCE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Tiles [t_begin, t_end) in order (none when t_end <= t_begin)."""
@@ -299,8 +357,10 @@ def _attn_tiles(
             m_i, l_i, acc = _attn_tile(
                 t, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d,
                 d_valid, window, qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp,
-                stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE, BLOCK_N,
-                D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
+                stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, k_new_ptr, v_new_ptr,
+                stride_knt, stride_knh, stride_vnt, stride_vnh, ctx, row0, k_inv, v_inv,
+                PAGE_SIZE, BLOCK_N, D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
+                V_CVT_F16, SOURCE,
             )
             t += 1
     else:
@@ -308,9 +368,56 @@ def _attn_tiles(
             m_i, l_i, acc = _attn_tile(
                 t, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d,
                 d_valid, window, qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp,
-                stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE, BLOCK_N,
-                D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
+                stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, k_new_ptr, v_new_ptr,
+                stride_knt, stride_knh, stride_vnt, stride_vnh, ctx, row0, k_inv, v_inv,
+                PAGE_SIZE, BLOCK_N, D_FULL, MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
+                V_CVT_F16, SOURCE,
             )
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attn_span(
+    t_begin, t_end, full_lo, full_hi, q, qpos, lo, last, m_i, l_i, acc, bt_row, k_cache_ptr,
+    v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2, kv_head, stride_kp,
+    stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, k_new_ptr, v_new_ptr, stride_knt,
+    stride_knh, stride_vnt, stride_vnh, ctx, row0, k_inv, v_inv,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_FULL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    V_CVT_F16: tl.constexpr,
+    SOURCE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Tiles [t_begin, t_end) of one SOURCE: the masked ones before full_lo (window edge), the
+    unmasked [full_lo, full_hi), the masked ones from full_hi (causal diagonal)."""
+    m_i, l_i, acc = _attn_tiles(
+        t_begin, tl.minimum(full_lo, t_end), q, qpos, lo, last, m_i, l_i, acc, bt_row,
+        k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
+        kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, k_new_ptr,
+        v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, ctx, row0, k_inv, v_inv,
+        PAGE_SIZE, BLOCK_N, D_FULL, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
+        SOURCE, INTERPRET,
+    )
+    m_i, l_i, acc = _attn_tiles(
+        tl.maximum(full_lo, t_begin), tl.minimum(full_hi, t_end), q, qpos, lo, last, m_i, l_i,
+        acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale,
+        cap_log2, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+        k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, ctx, row0, k_inv,
+        v_inv, PAGE_SIZE, BLOCK_N, D_FULL, False, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
+        V_CVT_F16, SOURCE, INTERPRET,
+    )
+    m_i, l_i, acc = _attn_tiles(
+        tl.maximum(full_hi, t_begin), t_end, q, qpos, lo, last, m_i, l_i, acc, bt_row,
+        k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
+        kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, k_new_ptr,
+        v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, ctx, row0, k_inv, v_inv,
+        PAGE_SIZE, BLOCK_N, D_FULL, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
+        SOURCE, INTERPRET,
+    )
     return m_i, l_i, acc
 
 
@@ -326,12 +433,16 @@ def _paged_attn_kernel(
     sinks_ptr,
     part_acc_ptr,  # [T, H, NUM_SPLITS, D_PAD] float32 (split path only)
     part_ml_ptr,  # [T, H, NUM_SPLITS, 2] float32: running max (log2), denominator
+    k_new_ptr,  # [T, Hkv, D] the step's own K/V (FRESH_NEW only)
+    v_new_ptr,
     num_seqs,
     window,
     qk_scale_log2,  # scale * k_scale * log2(e)
     cap_scale,  # scale * k_scale / softcap
     cap_log2,  # softcap * log2(e)
     v_scale,
+    k_inv,  # 1 / k_scale, 1 / v_scale (FRESH_NEW only)
+    v_inv,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -343,6 +454,10 @@ def _paged_attn_kernel(
     stride_vo,
     stride_vh,
     stride_bt,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -359,6 +474,7 @@ def _paged_attn_kernel(
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     V_CVT_F16: tl.constexpr,
+    FRESH_NEW: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -426,27 +542,52 @@ def _paged_attn_kernel(
     full_hi = tl.maximum((first + 1) // BLOCK_N, full_lo)
 
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    m_i, l_i, acc = _attn_tiles(
-        t_begin, tl.minimum(full_lo, t_end), q, qpos, lo, last, m_i, l_i, acc, bt_row,
-        k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
-        kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE,
-        BLOCK_N, HEAD_DIM == D_PAD, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
-        INTERPRET,
-    )
-    m_i, l_i, acc = _attn_tiles(
-        tl.maximum(full_lo, t_begin), tl.minimum(full_hi, t_end), q, qpos, lo, last, m_i,
-        l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2,
-        cap_scale, cap_log2, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo,
-        stride_vh, PAGE_SIZE, BLOCK_N, HEAD_DIM == D_PAD, False, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, V_CVT_F16, INTERPRET,
-    )
-    m_i, l_i, acc = _attn_tiles(
-        tl.maximum(full_hi, t_begin), t_end, q, qpos, lo, last, m_i, l_i, acc, bt_row,
-        k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
-        kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, PAGE_SIZE,
-        BLOCK_N, HEAD_DIM == D_PAD, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
-        INTERPRET,
-    )
+    row0 = q_start - ctx  # row of k_new / v_new holding key position p: row0 + p (p >= ctx)
+    if FRESH_NEW:
+        # A request with more than one new token (prefill chunk) reads keys [0, ctx) from the
+        # cache and [ctx, seq_len) from the step's own K/V, at full precision; tile
+        # ctx // BLOCK_N straddles the two when ctx is not a multiple of BLOCK_N. A decode
+        # token reads its own key from the cache like the rest.
+        new_lo = tl.where(q_len > 1, ctx // BLOCK_N, tile_hi)
+        new_hi = tl.where(q_len > 1, tl.cdiv(ctx, BLOCK_N), tile_hi)
+        m_i, l_i, acc = _attn_span(
+            t_begin, tl.minimum(t_end, new_lo), full_lo, full_hi, q, qpos, lo, last, m_i, l_i,
+            acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2,
+            cap_scale, cap_log2, kv_head, stride_kp, stride_ko, stride_kh, stride_vp,
+            stride_vo, stride_vh, k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt,
+            stride_vnh, ctx, row0, k_inv, v_inv, PAGE_SIZE, BLOCK_N, HEAD_DIM == D_PAD,
+            USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16, CACHE, INTERPRET,
+        )
+        m_i, l_i, acc = _attn_tiles(
+            tl.maximum(new_lo, t_begin), tl.minimum(new_hi, t_end), q, qpos, lo, last, m_i,
+            l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2,
+            cap_scale, cap_log2, kv_head, stride_kp, stride_ko, stride_kh, stride_vp,
+            stride_vo, stride_vh, k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt,
+            stride_vnh, ctx, row0, k_inv, v_inv, PAGE_SIZE, BLOCK_N, HEAD_DIM == D_PAD, True,
+            USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16, MIXED, INTERPRET,
+        )
+        # fresh-only tiles: dots in the model dtype (no conversions), scores without k_scale
+        q_model = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+        if DOT_F32:
+            q_model = q_model.to(tl.float32)
+        m_i, l_i, acc = _attn_span(
+            tl.maximum(new_hi, t_begin), t_end, full_lo, full_hi, q_model, qpos, lo, last, m_i,
+            l_i, acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window,
+            qk_scale_log2 * k_inv, cap_scale * k_inv, cap_log2, kv_head, stride_kp, stride_ko,
+            stride_kh, stride_vp, stride_vo, stride_vh, k_new_ptr, v_new_ptr, stride_knt,
+            stride_knh, stride_vnt, stride_vnh, ctx, row0, k_inv, v_inv, PAGE_SIZE, BLOCK_N,
+            HEAD_DIM == D_PAD, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16, FRESH,
+            INTERPRET,
+        )
+    else:
+        m_i, l_i, acc = _attn_span(
+            t_begin, t_end, full_lo, full_hi, q, qpos, lo, last, m_i, l_i, acc, bt_row,
+            k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
+            kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, ctx, row0,
+            k_inv, v_inv, PAGE_SIZE, BLOCK_N, HEAD_DIM == D_PAD, USE_WINDOW, USE_SOFTCAP,
+            DOT_PRECISION, V_CVT_F16, CACHE, INTERPRET,
+        )
 
     store_mask = row_valid[:, None] & d_valid[None, :]
     tok = (q_start + qi).to(tl.int64)
@@ -505,6 +646,62 @@ def _reduce_splits(
     )
 
 
+def kernel_constexprs(
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    head_dim: int,
+    group: int,
+    page_size: int,
+    cfg: AttentionConfig,
+    *,
+    window: int,
+    softcap: float,
+    use_sinks: bool,
+    num_splits: int,
+    fresh_new: bool,
+    interpret: bool,
+    fp8_cvt: bool,
+) -> dict:
+    """The compile-time parameters of one `_paged_attn_kernel` launch (also what the sm_90a
+    compile test builds kernels from, on a machine without a GPU). `fp8_cvt`: the device has
+    the packed e4m3 -> f16 conversion (sm_89+)."""
+    d_pad = triton.next_power_of_2(head_dim)
+    dot_f32 = interpret and q_dtype != torch.float32
+    fp8 = kv_dtype == FP8
+    dot_f16 = fp8 and q_dtype == torch.bfloat16 and cfg.fp8_fp16_dot
+    v_cvt_f16 = (
+        fp8
+        and not interpret
+        and cfg.fp8_v_cvt_regs
+        and (dot_f16 or q_dtype == torch.float16)
+        and cfg.block_n * d_pad >= 128 * cfg.num_warps  # >= 4 values per thread (pack=4)
+        and fp8_cvt
+        # ptxas (Triton 3.6, sm_90a) segfaults on the fresh-tile kernel at head_dim <= 32
+        # with V converted in registers (tests/kernels/test_triton_sm90_compile.py)
+        and not (fresh_new and d_pad < 64)
+    )
+    return dict(
+        G=group,
+        G_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PAGE_SIZE=page_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n,
+        USE_WINDOW=window > 0,
+        USE_SOFTCAP=bool(softcap),
+        USE_SINKS=use_sinks,
+        NUM_SPLITS=num_splits,
+        DOT_F16=dot_f16,
+        DOT_F32=dot_f32,
+        DOT_PRECISION="ieee" if (dot_f32 or q_dtype == torch.float32) else "tf32",
+        V_CVT_F16=v_cvt_f16,
+        FRESH_NEW=fresh_new,
+        INTERPRET=interpret,
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -524,6 +721,8 @@ def paged_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention; returns `[T, H, D]` in q's dtype.
 
@@ -535,6 +734,10 @@ def paged_attention(
     `num_splits` None = `choose_num_splits`; an explicit value is rounded up to a power of two.
     `config` None = `attention_config`; an explicit one (benchmarks, tuning sweeps) must have
     `block_m == block_q * next_power_of_2(H // Hkv)`.
+    k_new/v_new `[T, Hkv, D]` (optional, fp8 caches): the step's own K/V, as stored. A request
+    with more than one new token reads its new tokens' keys from them instead of from the cache
+    (those cache slots are not read), so a prefill chunk attends to itself at full precision
+    and only the cached prefix goes through fp8; a decode token reads the cache only.
     """
     t, h, d = q.shape
     num_pages, page_size, hkv, dk = k_cache.shape
@@ -556,20 +759,18 @@ def paged_attention(
         )
     num_splits = triton.next_power_of_2(max(1, num_splits))
 
-    d_pad = triton.next_power_of_2(d)
-    interp = _interpreting()
-    dot_f32 = interp and q.dtype != torch.float32
-    fp8 = k_cache.dtype == FP8
-    dot_f16 = fp8 and q.dtype == torch.bfloat16 and cfg.fp8_fp16_dot
-    v_cvt_f16 = (
-        fp8
-        and not interp
-        and cfg.fp8_v_cvt_regs
-        and (dot_f16 or q.dtype == torch.float16)
-        and cfg.block_n * d_pad >= 128 * cfg.num_warps  # >= 4 values per thread (pack=4)
-        and _has_fp8_cvt(q.device)
+    fresh_new = k_new is not None
+    if fresh_new:
+        assert v_new is not None and k_new.shape == v_new.shape == (t, hkv, d)
+        assert k_new.stride(2) == 1 and v_new.stride(2) == 1
+    else:
+        k_new = v_new = q  # dummy pointers, never read
+    consts = kernel_constexprs(
+        q.dtype, k_cache.dtype, d, group, page_size, cfg, window=window, softcap=softcap,
+        use_sinks=sinks is not None, num_splits=num_splits, fresh_new=fresh_new,
+        interpret=_interpreting(), fp8_cvt=_has_fp8_cvt(q.device),
     )
-    precision = "ieee" if (dot_f32 or q.dtype == torch.float32) else "tf32"
+    d_pad = consts["D_PAD"]
     qk_scale = scale * k_scale
     use_sinks = sinks is not None
     sinks_arg = sinks.float().contiguous() if use_sinks else q  # dummy pointer when unused
@@ -590,12 +791,16 @@ def paged_attention(
         sinks_arg,
         part_acc,
         part_ml,
+        k_new,
+        v_new,
         num_seqs,
         max(0, window),
         qk_scale * LOG2E,
         qk_scale / softcap if softcap else 0.0,
         softcap * LOG2E if softcap else 0.0,
         v_scale,
+        1.0 / k_scale,
+        1.0 / v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -607,23 +812,11 @@ def paged_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         block_table.stride(0),
-        G=group,
-        G_PAD=triton.next_power_of_2(group),
-        HEAD_DIM=d,
-        D_PAD=d_pad,
-        PAGE_SIZE=page_size,
-        BLOCK_M=cfg.block_m,
-        BLOCK_Q=cfg.block_q,
-        BLOCK_N=cfg.block_n,
-        USE_WINDOW=window > 0,
-        USE_SOFTCAP=bool(softcap),
-        USE_SINKS=use_sinks,
-        NUM_SPLITS=num_splits,
-        DOT_F16=dot_f16,
-        DOT_F32=dot_f32,
-        DOT_PRECISION=precision,
-        V_CVT_F16=v_cvt_f16,
-        INTERPRET=interp,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        **consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

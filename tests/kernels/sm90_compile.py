@@ -1,0 +1,88 @@
+"""Compiles `_paged_attn_kernel` for sm_90a (H100/H200) without a GPU: Triton's NVIDIA backend
+and its bundled ptxas run on any machine. Run as a script (TRITON_INTERPRET unset: under the
+interpreter `triton.jit` gives functions that cannot be compiled); prints one JSON line per
+case: {"case": ..., "ok": bool, "error": str}.
+
+Each case is (name, q dtype, kv dtype, head_dim, group, max_query_len, window, softcap, sinks,
+num_splits, fresh_new); the constexprs come from `kernel_constexprs`, as in a launch, with
+pointers and strides marked 16-divisible as Triton specialises them at launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+CASES = [
+    ("prefill fp8 fresh D32 G4", torch.bfloat16, "fp8", 32, 4, 1000, 0, 0.0, False, 1, True),
+    ("prefill fp8 fresh D128 G4", torch.bfloat16, "fp8", 128, 4, 1000, 0, 0.0, False, 1, True),
+    ("prefill fp8 fresh D256 G4 window softcap", torch.bfloat16, "fp8", 256, 4, 1000, 512,
+     30.0, False, 1, True),
+    ("mixed fp8 fresh D64 G8 window sinks", torch.bfloat16, "fp8", 64, 8, 8, 128, 0.0, True, 1,
+     True),
+    ("decode fp8 D128 G4 16 splits", torch.bfloat16, "fp8", 128, 4, 1, 0, 0.0, False, 16, False),
+    ("prefill bf16 D128 G4", torch.bfloat16, torch.bfloat16, 128, 4, 1000, 0, 0.0, False, 1,
+     False),
+]
+
+
+def compile_case(case: tuple) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from swaserve.attention.kernels import paged_attention as pa
+
+    _, q_dtype, kv, d, group, qlen, window, softcap, sinks, splits, fresh = case
+    kv_dtype = pa.FP8 if kv == "fp8" else kv
+    cfg = pa.attention_config(d, group, qlen, kv_dtype)
+    consts = pa.kernel_constexprs(
+        q_dtype, kv_dtype, d, group, 16, cfg, window=window, softcap=softcap, use_sinks=sinks,
+        num_splits=splits, fresh_new=fresh, interpret=False, fp8_cvt=True,
+    )
+    tq = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[q_dtype]
+    tkv = "fp8e4nv" if kv == "fp8" else tq
+    ptrs = {"k_cache_ptr": tkv, "v_cache_ptr": tkv, "block_table_ptr": "i32", "qsl_ptr": "i32",
+            "seq_lens_ptr": "i32", "sinks_ptr": "fp32", "part_acc_ptr": "fp32",
+            "part_ml_ptr": "fp32"}
+    fn = pa._paged_attn_kernel
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + ptrs.get(name, tq)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name.startswith("stride_"):
+            sig[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("num_seqs", "window"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "fp32"
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET"
+    names = sys.argv[1:]
+    for case in CASES:
+        if names and case[0] not in names:
+            continue
+        try:
+            compile_case(case)
+            res = {"case": case[0], "ok": True, "error": ""}
+        except Exception as e:  # noqa: BLE001 - reported per case
+            res = {"case": case[0], "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
