@@ -128,9 +128,10 @@ def check_candidates(shape: dict, dec_qlens, dec_ctxs, mixed: list, num_splits) 
         shown = err if isinstance(err, str) else f"{err:.2e}"
         print(f"check fp8 decode {label:16s} max_err={shown} {'OK' if ok else 'FAIL'} "
               f"{kinfo[label]}", flush=True)
-    for name, qlens, ctxs, window, kv in mixed:  # default configs (prefill tiles included)
+    fp8_fresh = ("fp8 decode, new token fresh", dec_qlens, dec_ctxs, 0, FP8, True)
+    for name, qlens, ctxs, window, kv, *fresh in [*mixed, fp8_fresh]:  # default configs
         case = make_case(qlens, ctxs, dtype=torch.bfloat16, kv_dtype=kv, window=window, seed=2,
-                         **shape)
+                         fresh=bool(fresh), **shape)
         err, ok = max_err(case)
         records.append({"check": f"default config, {name}", "max_err": err, "ok": ok})
         if not ok:
@@ -145,6 +146,7 @@ def tiny() -> int:
     mixed = [
         ("fp8 mixed", [9, 1, 1], [0, 40, 7], 0, FP8),
         ("fp8 mixed, window 5", [6, 1], [13, 29], 5, FP8),
+        ("fp8 mixed, new tokens fresh", [70, 1], [13, 29], 0, FP8, True),
         ("bf16 mixed", [9, 1], [0, 40], 0, None),
     ]
     records, failed, _ = check_candidates(shape, [1, 1, 1], [0, 17, 150], mixed, num_splits=2)
@@ -190,6 +192,34 @@ def time_decode(paged_inputs, ctx: int, kv_dtype, todo: list, bw: float) -> list
     return runs
 
 
+def time_prefill(paged_inputs, n: int, ctx: int) -> list[dict]:
+    """One causal prefill chunk of n tokens over ctx cached keys (default configs): bf16 cache,
+    fp8 cache read for every key, and fp8 with the chunk's own K/V passed fresh (`k_new`, the
+    engine's path); TFLOP/s of the causal attention."""
+    flops = 4 * H * D * n * (ctx + (n + 1) / 2)
+    runs = []
+    for label, kv_dtype, fresh in [("bf16 cache", None, False), ("fp8 cache", FP8, False),
+                                   ("fp8, chunk fresh", FP8, True)]:
+        q, kc, vc, bt, qsl, sl, _ = paged_inputs([n], [ctx], H, HKV, D, kv_dtype=kv_dtype)
+        k_new = torch.randn(n, HKV, D, device=q.device, dtype=q.dtype) if fresh else None
+        v_new = torch.randn_like(k_new) if fresh else None
+
+        args = (q, kc, vc, bt, qsl, sl)
+        kw = dict(max_query_len=n, max_seq_len=n + ctx, scale=D**-0.5, k_new=k_new, v_new=v_new)
+
+        def f(args=args, kw=kw):
+            return paged_attention(*args, **kw)
+
+        f()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
+        runs.append({"prefill": label, "tokens": n, "context": ctx, "us": ms * 1e3,
+                     "tflops": flops / ms / 1e9})
+        print(f"prefill {label:18s} n={n} ctx={ctx} {ms * 1e3:8.1f} us "
+              f"{flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+    return runs
+
+
 def gpu() -> int:
     from attention_kernels import copy_bandwidth, paged_inputs
 
@@ -199,6 +229,8 @@ def gpu() -> int:
     mixed = [
         ("fp8 prefill 300 + decodes", [300, 1, 1, 37], [0, 1000, 77, 500], 0, FP8),
         ("fp8 mixed, window 100", [200, 1, 1], [300, 700, 50], 100, FP8),
+        ("fp8 prefill 300 + decodes, fresh", [300, 1, 1, 37], [0, 1000, 77, 500], 0, FP8, True),
+        ("fp8 chunk 200 over 300, fresh", [200, 1], [300, 700], 100, FP8, True),
         ("bf16 prefill 300 + decodes", [300, 1, 1, 37], [0, 1000, 77, 500], 0, None),
     ]
     # the timed split counts; the check uses the first, so it compiles the timed kernel
@@ -229,7 +261,9 @@ def gpu() -> int:
                 runs.append(run)
             torch.cuda.empty_cache()
 
+    prefill = time_prefill(paged_inputs, 8192, 0) + time_prefill(paged_inputs, 2048, 6144)
     write_json({
+        "prefill": prefill,
         "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
         "triton": triton.__version__, "batch": ARGS.batch, "shape": dict(H=H, Hkv=HKV, D=D,
         page_size=PS), "copy_bw_gb_s": bw, "splits": splits,
@@ -250,6 +284,10 @@ def gpu() -> int:
         print(f"| {r['config']}{star} | {ctx} | {r['kv_dtype']} | {r['us']:.1f} | "
               f"{r['gb_s']:,.0f} | {r['pct_copy_bw']:.1f}% | "
               f"{r['us'] / bf16_us[r['context']]:.2f} | {regs} |")
+    print("\n| prefill (H32/Hkv8, D128) | tokens | cached | us | TFLOP/s |\n|---|---|---|---|---|")
+    for r in prefill:
+        print(f"| {r['prefill']} | {r['tokens']} | {r['context']} | {r['us']:.0f} | "
+              f"{r['tflops']:.0f} |")
     if failed:
         print(f"\nFAILED checks (not timed): {failed}")
     return 1 if failed else 0
