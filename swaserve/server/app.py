@@ -1,7 +1,7 @@
 """The HTTP frontend: OpenAI-compatible routes (DESIGN §8, §11).
 
 A request's path: validate (pydantic, strict) -> SamplingParams -> tokenize (chat template for
-chat) -> check the context -> `CoreClient.add` (one core request per sample) -> wait on the
+chat; on the one tokenizer thread, off the event loop) -> check the context -> `CoreClient.add` (one core request per sample) -> wait on the
 request's queue for `RequestOutput`s -> OpenAI JSON or SSE chunks. The handlers never touch
 the model; the only waiting is on asyncio queues fed by the IPC task.
 
@@ -13,13 +13,15 @@ A client that goes away (stream or not) aborts its requests in the core.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -53,6 +55,18 @@ class ServerState:
     api_key: str | None
     metrics: Metrics
     created: int
+    # Tokenizing and chat templates run here, not on the event loop: a long prompt would stall
+    # every other request's streaming. One thread: requests tokenized in arrival order, and
+    # the tokenizer never used from two threads at once.
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="swaserve-tokenize")
+    )
+
+
+async def _off_loop(state: ServerState, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """`fn(*args, **kw)` on the tokenizer thread; its exceptions (400s included) re-raise here."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.tokenize_pool, functools.partial(fn, *args, **kw))
 
 
 class APIError(Exception):
@@ -381,7 +395,7 @@ async def _completions(state: ServerState, body: P.CompletionRequest, raw: Reque
         if isinstance(p, str):
             if not p:
                 raise bad("the prompt is empty", "prompt")
-            prompts.append((p, _encode(state, p)))
+            prompts.append((p, await _off_loop(state, _encode, state, p)))
         else:
             prompts.append((None, list(p)))
     for _, ids in prompts:
@@ -547,11 +561,15 @@ def _render_chat(state: ServerState, body: P.ChatCompletionRequest) -> str:
         raise bad(f"the chat template failed on these messages: {e}", "messages") from None
 
 
-async def _chat(state: ServerState, body: P.ChatCompletionRequest, raw: Request) -> Response:
-    params = _params(state, body)
+def _chat_prompt(state: ServerState, body: P.ChatCompletionRequest) -> tuple[str, list[int]]:
     prompt = _render_chat(state, body)
     # The template already holds the special tokens: no BOS added again (as Engine.chat).
-    ids = _encode(state, prompt, add_special_tokens=False)
+    return prompt, _encode(state, prompt, add_special_tokens=False)
+
+
+async def _chat(state: ServerState, body: P.ChatCompletionRequest, raw: Request) -> Response:
+    params = _params(state, body)
+    prompt, ids = await _off_loop(state, _chat_prompt, state, body)
     _check_prompt(state, ids, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

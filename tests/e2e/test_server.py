@@ -389,6 +389,30 @@ def test_disconnect_frees_pages(server):
     assert aborted - aborted_before == 10
 
 
+def test_tokenizing_does_not_block_other_requests(server):
+    """A 3.6 MB prompt takes seconds to tokenize (then a 400: far beyond the context); a
+    /health sent meanwhile answers first, because tokenizing runs off the event loop."""
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 80000,
+            "max_tokens": 1}
+    done: list[tuple[str, int]] = []
+
+    async def long_prompt(ac: httpx.AsyncClient) -> None:
+        r = await ac.post(server.base_url + "/completions", json=body)
+        done.append(("long", r.status_code))
+
+    async def health(ac: httpx.AsyncClient) -> None:
+        await asyncio.sleep(1.0)  # the long prompt is being tokenized by now
+        r = await ac.get(server.url + "/health")
+        done.append(("health", r.status_code))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(headers=server.headers(), timeout=120) as ac:
+            await asyncio.gather(long_prompt(ac), health(ac))
+
+    asyncio.run(main())
+    assert done == [("health", 200), ("long", 400)], done
+
+
 def test_non_stream_disconnect_aborts(server):
     body = {"model": MODEL, "prompt": "A long answer", "max_tokens": 1500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
