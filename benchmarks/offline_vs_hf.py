@@ -39,7 +39,8 @@ def with_dtype(hf, dtype: torch.dtype):
     """`hf` cast to `dtype` with a fresh rotary embedding: its non-persistent float32
     frequencies are not in the state dict, and a cast would round them."""
     hf = hf.to(dtype)
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config, device="cuda")
+    device = next(hf.parameters()).device
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config, device=device)
     return hf
 
 
