@@ -1,9 +1,10 @@
 """The HTTP frontend: OpenAI-compatible routes (DESIGN §8, §11).
 
 A request's path: validate (pydantic, strict) -> SamplingParams -> tokenize (chat template for
-chat; on the one tokenizer thread, off the event loop) -> check the context -> `CoreClient.add` (one core request per sample) -> wait on the
-request's queue for `RequestOutput`s -> OpenAI JSON or SSE chunks. The handlers never touch
-the model; the only waiting is on asyncio queues fed by the IPC task.
+chat; on the one tokenizer thread, off the event loop) -> check the context ->
+`CoreClient.add` (one core request per sample) -> wait on the request's queue for
+`RequestOutput`s -> OpenAI JSON or SSE chunks. The handlers never touch the model; the only
+waiting is on asyncio queues fed by the IPC task.
 
 Statuses: 400 invalid request (never FastAPI's 422) or prompt + max_tokens beyond the context;
 401 wrong or missing key (`/v1/*` only); 404 unknown model or path; 503 queue full or core gone.

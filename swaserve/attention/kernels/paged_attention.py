@@ -44,6 +44,12 @@ packed conversion per two values and e4m3 -> bf16 three (by the instruction coun
 the bf16-dot path at half the memory bandwidth). V tiles are converted in registers before
 their shared-memory staging (`_e4m3_to_f16`).
 
+Fresh new tokens (`k_new`/`v_new`, FP8 caches): a request with more than one new token reads
+keys [ctx, seq_len) from the step's own K/V instead of the cache (`FRESH_NEW`): the tiles wholly
+past ctx are FRESH (dots in the model dtype on q as loaded, score scale without k_scale, p
+times 1 / v_scale so the accumulator stays in cache units), the one tile straddling ctx is
+MIXED (new keys converted to cache units), the tiles before it read the cache as above.
+
 Under TRITON_INTERPRET=1 (CPU tests) the interpreter cannot multiply bf16/fp16 tiles (they are
 raw uint16 there), so dots run in float32 (`DOT_F32`; q still goes through the fp16 rounding of
 `DOT_F16`); on GPU they run in the input dtype (fp16 for an fp8 cache, see above).
