@@ -473,7 +473,7 @@ def test_triton_engine_logits_match_torch(tiny_models, name):
 def test_triton_engine_fp8_kv_matches_torch_fp8(tiny_models, name):
     """FP8 KV through the whole engine: calibrated per-layer scales, quantise on store,
     dequantise in the kernel; the torch reference reads the same stored fp8 values."""
-    from swaserve import Engine
+    from swaserve import Engine, SamplingParams
     from tests.helpers import engine_prompt_logits
 
     ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -487,10 +487,20 @@ def test_triton_engine_fp8_kv_matches_torch_fp8(tiny_models, name):
         assert engine.core.kv.kv.dtype == torch.float8_e4m3fn
         scales[backend] = engine.core.kv.k_scales
         logits[backend] = engine_prompt_logits(engine, ids)
+        # decode steps (own key from the cache) mixed with a second prompt's chunks (own keys
+        # fresh): the same tokens and logprobs from both backends
+        params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+        outs = engine.generate(prompt_token_ids=[ids[:9], ids[3:23]], sampling_params=params)
+        logits[backend + "_gen"] = [o.outputs[0].token_ids for o in outs]
+        logits[backend + "_lp"] = torch.tensor(
+            [lp.logprob for o in outs for lp in o.outputs[0].logprobs]
+        )
         engine.core.memory.check_integrity()
     assert scales["torch"] == scales["triton"] and all(s > 0 for s in scales["torch"])
     err = (logits["torch"] - logits["triton"]).abs().max().item()
     assert err < 1e-3, f"{name}: fp8 max |logit diff| {err}"
+    assert logits["torch_gen"] == logits["triton_gen"]
+    assert (logits["torch_lp"] - logits["triton_lp"]).abs().max().item() < 1e-3
 
 
 def _greedy(n: int):
