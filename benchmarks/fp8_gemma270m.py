@@ -6,12 +6,13 @@ scale, the same greedy runs through transformers on the same (converted) weights
 ids, in the model dtype and in float32: how often the model-dtype KV itself matches. JSON to
 $OUT/fp8_gemma270m.json.
 
-Usage: python benchmarks/fp8_gemma270m.py [path/to/gemma-3-270m-q4_k_m.gguf]
-(default: the built-in alias, which needs the pip package)
+Usage: python benchmarks/fp8_gemma270m.py [path/to/gemma-3-270m-q4_k_m.gguf] [--prompts 64]
+(default: the built-in alias, which needs the pip package; 16 prompts, at most 64)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -37,6 +38,57 @@ PROMPTS = [
     "The theory of relativity states that",
     "1, 1, 2, 3, 5, 8, 13,",
     "Dear hiring manager, I am writing to apply for",
+]
+# 48 more, for a rate with a tighter spread (`--prompts 64`); the first 16 stay the reference set
+MORE_PROMPTS = [
+    "The main causes of the French Revolution were",
+    "import numpy as np\n\ndef normalize(x):\n    ",
+    "Translate to French: 'Good morning, how are you?'\n",
+    "The mitochondria is known as",
+    "Here is a recipe for banana bread:\n1.",
+    "The speed of light in a vacuum is approximately",
+    "Q: What is 17 times 23?\nA:",
+    "In machine learning, overfitting happens when",
+    "The Great Wall of China was built to",
+    "A short poem about the ocean:\n",
+    "The difference between a list and a tuple in Python is",
+    "Shakespeare wrote many plays, including",
+    "To change a flat tire, you should",
+    "The human heart has four chambers:",
+    "Climate change affects agriculture by",
+    "<html>\n<head>\n<title>",
+    "The best way to learn a new language is",
+    "Mount Everest is located in",
+    "An API is a set of rules that",
+    "The water cycle consists of evaporation,",
+    "Once there was a robot who wanted to",
+    "The periodic table organizes elements by",
+    "Breakfast is often called the most important meal because",
+    "The Pythagorean theorem states that",
+    "In the year 2050, cities will",
+    "The rules of chess: each player starts with",
+    "A good cover letter should",
+    "The stock market is a place where",
+    "Tokyo is the capital of",
+    "for (int i = 0; i < n; i++) {\n    ",
+    "The ancient Egyptians built the pyramids",
+    "Vaccines work by training the immune system to",
+    "The first step in writing a novel is",
+    "Bees are important to the environment because",
+    "The sum of the angles in a triangle is",
+    "Meeting notes, Monday:\n- ",
+    "The Internet was originally developed by",
+    "A balanced diet includes",
+    "The moon causes ocean tides because",
+    "git commit -m \"",
+    "The most popular sport in the world is",
+    "Dear Sir or Madam,\n\nI am writing to complain about",
+    "Electric cars differ from gasoline cars in that",
+    "The Renaissance began in Italy in the",
+    "2, 4, 8, 16, 32,",
+    "Sleep is important for health because",
+    "The Amazon rainforest is home to",
+    "Step-by-step instructions for making coffee:\n",
 ]
 
 
@@ -66,7 +118,13 @@ def hf_greedy(folder: str, dtype: torch.dtype, prompt_ids: list[list[int]]) -> l
 
 
 def main() -> int:
-    model = sys.argv[1] if len(sys.argv) > 1 else "gemma-3-270m"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default="gemma-3-270m")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS),
+                    help=f"how many prompts, at most {len(PROMPTS) + len(MORE_PROMPTS)}")
+    args = ap.parse_args()
+    model = args.model
+    prompts = (PROMPTS + MORE_PROMPTS)[: args.prompts]
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     p = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -77,7 +135,7 @@ def main() -> int:
         eng = Engine(model=model, kv_cache_dtype=kv, kv_cache_gb=2, max_model_len=4096)
         stats = eng.memory_stats()
         res[f"{kv}_capacity_tokens"] = stats["pages_total"] * eng.config.page_size
-        got = eng.generate(PROMPTS, p, use_tqdm=False)
+        got = eng.generate(prompts, p, use_tqdm=False)
         outs[kv] = [o.token_ids for o in got]
         prompt_ids, folder, dtype = [o.prompt_token_ids for o in got], eng.folder, eng.core.dtype
         if kv == "fp8_e4m3":
@@ -89,7 +147,7 @@ def main() -> int:
     outs["hf_float32"] = hf_greedy(folder, torch.float32, prompt_ids)
     same = [a == b for a, b in zip(outs["auto"], outs["fp8_e4m3"])]
     first_diff = [first_divergence(a, b) for a, b in zip(outs["auto"], outs["fp8_e4m3"])]
-    res.update(identical=sum(same), prompts=len(PROMPTS), first_divergence=first_diff)
+    res.update(identical=sum(same), prompts=len(prompts), first_divergence=first_diff)
     pairs = [("auto", "hf_model_dtype"), ("auto", "hf_float32"), ("fp8_e4m3", "hf_float32"),
              ("hf_model_dtype", "hf_float32")]
     res["identical_pairs"] = {f"{a} vs {b}": sum(x == y for x, y in zip(outs[a], outs[b]))
@@ -101,10 +159,10 @@ def main() -> int:
     print("|---|---|---|")
     print(f"| capacity (tokens) | {res['auto_capacity_tokens']} | "
           f"{res['fp8_e4m3_capacity_tokens']} ({ratio:.2f}x) |")
-    print(f"| greedy 32 tokens identical to model-dtype KV | | {sum(same)}/{len(PROMPTS)} "
+    print(f"| greedy 32 tokens identical to model-dtype KV | | {sum(same)}/{len(prompts)} "
           f"(first divergence at {first_diff}) |")
     for pair, n in res["identical_pairs"].items():
-        print(f"| greedy 32 tokens identical, {pair} | {n}/{len(PROMPTS)} | |")
+        print(f"| greedy 32 tokens identical, {pair} | {n}/{len(prompts)} | |")
     return 0
 
 

@@ -25,7 +25,7 @@ step fp8_sweep 150 python3 benchmarks/fp8_attention_sweep.py
 step window_vs_full 240 python3 benchmarks/window_vs_full.py
 step fp8_vs_bf16 180 python3 benchmarks/fp8_vs_bf16.py
 if [ $# -ge 1 ]; then
-    step fp8_gemma270m 300 python3 benchmarks/fp8_gemma270m.py "$1"
+    step fp8_gemma270m 300 python3 benchmarks/fp8_gemma270m.py "$1" --prompts 64
 fi
 step gpu_tests 300 python3 -m pytest -q tests/gpu
 shopt -s nullglob
