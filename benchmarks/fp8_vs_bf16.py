@@ -21,37 +21,24 @@ Usage:  python benchmarks/fp8_vs_bf16.py [--num-requests 16] [--kv-cache-gb 16]
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from swaserve import Engine, SamplingParams
+from swaserve.bench.compare import (
+    comparison_args,
+    log,
+    release_memory,
+    run_variant,
+    speed_ratios,
+    write_record,
+)
 from swaserve.bench.memory import run_memory_bench
-from swaserve.bench.offline import run_tracked
 from swaserve.models.blocks import head_dim_of, layer_windows
-
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def release_memory() -> None:
-    """After the caller dropped its last engine reference: collect it, give memory back."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        log(f"freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated")
 
 
 def tiny_llama_folder(root: Path) -> Path:
@@ -132,14 +119,7 @@ def kv_info(engine: Engine, context: int, chunk: int, kv_gb: float) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny random model (CPU smoke run)")
-    ap.add_argument("--num-requests", type=int, default=None)
-    ap.add_argument("--kv-cache-gb", type=float, default=None)
-    ap.add_argument("--context", type=int, default=None)
-    ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    args = ap.parse_args(argv)
+    args = comparison_args(argv, __doc__)
     cuda = torch.cuda.is_available()
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'cpu'}")
     tmp = tempfile.TemporaryDirectory()
@@ -167,40 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     chunk = extra["max_num_batched_tokens"]
 
     results: dict[str, Any] = {}
-    prompts: list[list[int]] | None = None
     for name, kv_dtype in (("bf16", "auto"), ("fp8_e4m3", "fp8_e4m3")):
-        t = time.perf_counter()
         scale = {"kv_cache_scale": 1.0} if kv_dtype != "auto" else {}
-        eng = Engine(model=model, kv_cache_gb=kv_gb, max_model_len=context,
-                     disable_prefix_cache=True, kv_cache_dtype=kv_dtype, **scale, **extra)
-        log(f"{name}: engine up in {time.perf_counter() - t:.1f} s")
-        if prompts is None:
-            vocab = eng.core.hf_config.vocab_size
-            rng = random.Random(0)
-            prompts = [[rng.randrange(100, vocab - 100) for _ in range(context - new)]
-                       for _ in range(n)]
-        info = kv_info(eng, context, chunk, kv_gb)
-        log(f"{name}: {info['pages_total']} pages = {info['capacity_tokens']} tokens, holds "
-            f"{info['max_concurrent']} {context}-token requests at once")
-        t = time.perf_counter()
-        run_tracked(eng, [prompts[0][: min(len(prompts[0]), 2048)]], 4)  # Triton compiles
-        log(f"{name}: warm-up {time.perf_counter() - t:.1f} s")
-        res = run_tracked(eng, prompts, new)
-        log(f"{name}: {n} x ({context - new} + {new}) in {res['wall_s']:.1f} s, "
-            f"peak running {res['peak_running']}, preemptions {res['preemptions']}")
-        eng.core.memory.check_integrity()
-        results[name] = {**info, **res}
-        del eng
-        release_memory()
+
+        def make(kv_dtype=kv_dtype, scale=scale) -> Engine:
+            return Engine(model=model, kv_cache_gb=kv_gb, max_model_len=context,
+                          disable_prefix_cache=True, kv_cache_dtype=kv_dtype, **scale, **extra)
+
+        def describe(eng: Engine) -> tuple[dict[str, Any], str]:
+            info = kv_info(eng, context, chunk, kv_gb)
+            return info, (f"{info['pages_total']} pages = {info['capacity_tokens']} tokens, "
+                          f"holds {info['max_concurrent']} {context}-token requests at once")
+
+        results[name] = run_variant(name, make, describe, n, context, new, lambda eng: 2048)
 
     a, b = results["fp8_e4m3"], results["bf16"]
-    ratios = {
-        "capacity_tokens": a["capacity_tokens"] / b["capacity_tokens"],
-        "max_concurrent": a["max_concurrent"] / max(b["max_concurrent"], 1),
-        "output_tok_s": a["output_tok_s"] / b["output_tok_s"],
-        "total_tok_s": a["total_tok_s"] / b["total_tok_s"],
-        "wall_s": b["wall_s"] / a["wall_s"],
-    }
+    ratios = {"capacity_tokens": a["capacity_tokens"] / b["capacity_tokens"],
+              **speed_ratios(a, b)}
     record = {
         "model": model if not args.tiny else "tiny-llama", "context": context,
         "num_requests": n, "prompt_tokens": context - new, "new_tokens": new,
@@ -210,11 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "correctness": check, "results": results, "ratios_fp8_over_bf16": ratios,
         "capacity_target_met": ratios["capacity_tokens"] >= 1.9,
     }
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "fp8_vs_bf16.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    log(f"wrote {path}")
+    write_record(args.out, "fp8_vs_bf16.json", record)
     tmp.cleanup()
 
     mname = "tiny Llama (bf16)" if args.tiny else "Llama-3.1-8B shape, dummy bf16 weights"

@@ -20,32 +20,28 @@ Usage:  python benchmarks/window_vs_full.py [--num-requests 8] [--kv-cache-gb 10
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from swaserve import Engine, SamplingParams
+from swaserve.bench.compare import (
+    comparison_args,
+    log,
+    release_memory,
+    run_variant,
+    speed_ratios,
+    write_record,
+)
 from swaserve.bench.memory import run_memory_bench
-from swaserve.bench.offline import run_tracked
 from swaserve.memory.manager import page_bytes
 from swaserve.models.blocks import head_dim_of, layer_windows
 
-_T0 = time.perf_counter()
 TINY_WINDOW = 24
 TINY_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def tiny_gemma3_folder(root: Path) -> Path:
@@ -71,14 +67,6 @@ def tiny_gemma3_folder(root: Path) -> Path:
 
 def fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-def release_memory() -> None:
-    """After the caller dropped its last engine reference: collect it, give memory back."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        log(f"freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated")
 
 
 def correctness(folder: Path, cuda: bool) -> dict[str, Any]:
@@ -141,14 +129,7 @@ def kv_info(engine: Engine, context: int, chunk: int, kv_gb: float) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny random model (CPU smoke run)")
-    ap.add_argument("--num-requests", type=int, default=None)
-    ap.add_argument("--kv-cache-gb", type=float, default=None)
-    ap.add_argument("--context", type=int, default=None)
-    ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    args = ap.parse_args(argv)
+    args = comparison_args(argv, __doc__)
     cuda = torch.cuda.is_available()
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'cpu'}")
     tmp = tempfile.TemporaryDirectory()
@@ -175,41 +156,27 @@ def main(argv: list[str] | None = None) -> int:
     chunk = extra["max_num_batched_tokens"]
 
     results: dict[str, Any] = {}
-    prompts: list[list[int]] | None = None
     for name, off in (("window-aware", False), ("all-full", True)):
-        t = time.perf_counter()
-        eng = Engine(model=model, kv_cache_gb=kv_gb, max_model_len=context,
-                     disable_prefix_cache=True, disable_hybrid_kv_cache=off, **extra)
-        log(f"{name}: engine up in {time.perf_counter() - t:.1f} s")
-        if prompts is None:
-            vocab = eng.core.hf_config.vocab_size
-            rng = random.Random(0)
-            prompts = [[rng.randrange(100, vocab - 100) for _ in range(context - new)]
-                       for _ in range(n)]
-        info = kv_info(eng, context, chunk, kv_gb)
-        log(f"{name}: {info['pages_total']} pages, {info['pages_per_request']} per "
-            f"{context}-token request, holds {info['max_concurrent']} at once")
-        warm = [prompts[0][: min(len(prompts[0]), 2 * (eng.core.hf_config.sliding_window
-                                                       or 64))]]
-        t = time.perf_counter()
-        run_tracked(eng, warm, 4)  # Triton compiles for prefill shapes
-        log(f"{name}: warm-up {time.perf_counter() - t:.1f} s")
-        res = run_tracked(eng, prompts, new)
-        log(f"{name}: {n} x ({context - new} + {new}) in {res['wall_s']:.1f} s, "
-            f"peak running {res['peak_running']}, preemptions {res['preemptions']}")
-        eng.core.memory.check_integrity()
-        results[name] = {**info, **res}
-        del eng
-        release_memory()
+
+        def make(off=off) -> Engine:
+            return Engine(model=model, kv_cache_gb=kv_gb, max_model_len=context,
+                          disable_prefix_cache=True, disable_hybrid_kv_cache=off, **extra)
+
+        def describe(eng: Engine) -> tuple[dict[str, Any], str]:
+            info = kv_info(eng, context, chunk, kv_gb)
+            return info, (f"{info['pages_total']} pages, {info['pages_per_request']} per "
+                          f"{context}-token request, holds {info['max_concurrent']} at once")
+
+        def warm_tokens(eng: Engine) -> int:  # past the window: Triton compiles prefill shapes
+            return 2 * (eng.core.hf_config.sliding_window or 64)
+
+        results[name] = run_variant(name, make, describe, n, context, new, warm_tokens)
 
     a, b = results["window-aware"], results["all-full"]
     ratios = {
-        "max_concurrent": a["max_concurrent"] / max(b["max_concurrent"], 1),
+        **speed_ratios(a, b),
         "fit_steady": a["fit_steady"] / max(b["fit_steady"], 1),
         "bytes_per_request": b["bytes_per_request"] / a["bytes_per_request"],
-        "output_tok_s": a["output_tok_s"] / b["output_tok_s"],
-        "total_tok_s": a["total_tok_s"] / b["total_tok_s"],
-        "wall_s": b["wall_s"] / a["wall_s"],
     }
     record = {
         "model": model if not args.tiny else "tiny-gemma3", "context": context,
@@ -218,11 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         "correctness": check, "results": results, "ratios_window_over_full": ratios,
     }
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "window_vs_full.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    log(f"wrote {path}")
+    write_record(args.out, "window_vs_full.json", record)
     tmp.cleanup()
 
     mname = "tiny Gemma 3" if args.tiny else "Gemma-3-27B shape, dummy bf16"
