@@ -41,7 +41,10 @@ class _Launched:
     slots: list[int]  # output index of each sampler's placeholder
     sampled: SamplerOutput | None
     host: torch.Tensor | None  # token ids, filled by a non-blocking copy
-    event: Any  # torch.cuda.Event recorded after that copy; None on CPU
+    # (logprobs, ranks, topk_ids, topk_logprobs) on the host, copied with the ids; None when no
+    # row asked for logprobs (topk_* None when no row asked for alternatives)
+    host_lps: tuple[torch.Tensor | None, ...] | None
+    event: Any  # torch.cuda.Event recorded after those copies; None on CPU
 
 
 def _needs_history(p: SamplingParams) -> bool:
@@ -252,20 +255,29 @@ class EngineCore:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         if not samplers:
-            return _Launched(samplers, [], None, None, None)
+            return _Launched(samplers, [], None, None, None, None)
         sampled = self.sampler(logits, [self._row(r) for r in samplers])
         slots = []
         for req in samplers:
             slots.append(len(req.output_token_ids))
             req.output_token_ids.append(PLACEHOLDER)
-        host, event = self._copy_to_host(sampled.token_ids)
-        return _Launched(samplers, slots, sampled, host, event)
+        host, host_lps, event = self._copy_to_host(sampled)
+        return _Launched(samplers, slots, sampled, host, host_lps, event)
 
-    def _copy_to_host(self, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def _copy_to_host(
+        self, sampled: SamplerOutput
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None, Any]:
         """The one device-to-host copy of a step, into pinned memory, with an event to wait on
-        (the tensor itself on CPU)."""
+        (the tensors themselves on CPU): the token ids, and the logprobs when asked for, so
+        that reading them back does not wait for the next step already enqueued."""
+        ids = sampled.token_ids
+        lps = None
+        if sampled.logprobs is not None:
+            lps = (sampled.logprobs, sampled.ranks, sampled.topk_ids, sampled.topk_logprobs)
         if ids.device.type != "cuda":
-            return ids, None
+            return ids, lps, None
+        if lps is not None:
+            lps = tuple(None if t is None else _to_pinned(t) for t in lps)
         self._pinned_turn ^= 1
         buf = self._pinned[self._pinned_turn]
         if buf is None or buf.numel() < ids.numel():
@@ -275,7 +287,7 @@ class EngineCore:
         host.copy_(ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host, event
+        return host, lps, event
 
     def _device_tokens(self, batch: ScheduledBatch) -> DeviceTokens | None:
         """Input positions whose token is a placeholder of the in-flight step."""
@@ -305,12 +317,7 @@ class EngineCore:
         if launched.event is not None:
             launched.event.synchronize()
         tokens = launched.host.tolist()
-        sampled = launched.sampled
-        lps = None
-        if sampled.logprobs is not None:
-            lps = _logprob_list(
-                sampled.logprobs, sampled.ranks, sampled.topk_ids, sampled.topk_logprobs, tokens
-            )
+        lps = _logprob_list(*launched.host_lps, tokens) if launched.host_lps else None
         outputs = []
         for i, req in enumerate(launched.samplers):
             if req.status is RequestStatus.FINISHED:
@@ -403,6 +410,14 @@ class EngineCore:
         return stats
 
 
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy of device tensor t into pinned host memory (done once the stream
+    reaches it)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 def _logprob_list(
     chosen: torch.Tensor,
     ranks: torch.Tensor,
@@ -410,7 +425,8 @@ def _logprob_list(
     top_lps: torch.Tensor | None,
     tokens: list[int],
 ) -> list[Logprob]:
-    """Device tensors -> Logprob objects (a host copy: only when logprobs were asked for)."""
+    """Logprob tensors -> Logprob objects. The sampled step's come from the host copies made
+    with its tokens; prompt logprobs are read from the device (their step waits anyway)."""
     chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
     ids_l = top_ids.tolist() if top_ids is not None else [[] for _ in chosen_l]
     lps_l = top_lps.tolist() if top_lps is not None else [[] for _ in chosen_l]

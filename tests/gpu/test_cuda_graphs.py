@@ -59,3 +59,22 @@ def test_engine_logits_equal_transformers_on_gpu(tiny, name):
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     assert (got - want).abs().max().item() < 2e-3
+
+
+def test_overlap_logprobs_equal_sync(tiny):
+    """Logprobs travel to the host with the step's tokens (non-blocking, pinned): with the
+    overlap schedule on they equal the synchronous schedule's, alternatives included."""
+    folder = tiny["llama"][0]
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+    got = {}
+    for off in (False, True):
+        e = Engine(model=str(folder), dtype="float32", kv_cache_gb=0.05,
+                   attention_backend="triton", disable_overlap_schedule=off)
+        outs = e.generate(prompt_token_ids=prompts, sampling_params=p)
+        got[off] = [[(lp.token_id, round(lp.logprob, 4), lp.rank,
+                      [(t, round(v, 4)) for t, v in lp.top]) for lp in o.outputs[0].logprobs]
+                    for o in outs]
+        e.core.memory.check_integrity()
+    assert got[False] == got[True]
+    assert all(len(s) == 24 and len(s[0][3]) == 3 for s in got[False])
