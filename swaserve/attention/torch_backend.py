@@ -101,7 +101,7 @@ class TorchBackend(AttentionBackend):
         fb.kv.store(spec.layer_id, k, v, gm.slot_mapping)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc
-        fp8 = getattr(fb.kv, "is_fp8", False)
+        fp8 = fb.kv.is_fp8
         for r in range(len(qsl) - 1):
             n = qsl[r + 1] - qsl[r]
             slots, mask = gm.visible(r, spec.window)  # the layer's window, not the group's
