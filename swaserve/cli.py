@@ -11,6 +11,7 @@ import typing
 
 from swaserve.bench.serve import add_args as add_bench_serve_args
 from swaserve.config import EngineConfig
+from swaserve.sampling.params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -29,25 +30,45 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f: getattr(args, f) for f in EngineConfig.field_names()}
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from swaserve import Engine, SamplingParams
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """`generate`'s sampling flags; a ValueError names the flag (before any model loads)."""
+    flags = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+             "top_p": args.top_p, "top_k": args.top_k, "seed": args.sampling_seed}
+    try:
+        return SamplingParams(**flags)
+    except ValueError as e:
+        name = next((f for f in flags if str(e).startswith(f + " ")), None)
+        flag = "--sampling-seed" if name == "seed" else "--" + (name or "").replace("_", "-")
+        raise ValueError(flag + str(e)[len(name):] if name else str(e)) from None
 
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Prints each output; 1 when a generation failed (finish_reason "abort"), with a one-line
+    error per failed prompt on stderr. Every flag is checked before the model loads."""
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    if not prompts:
-        print("error: give --prompt TEXT (repeatable) or prompts on stdin", file=sys.stderr)
+    if not prompts or not all(prompts):
+        print("error: give --prompt TEXT (repeatable, not empty) or prompts on stdin",
+              file=sys.stderr)
         return 2
+    params = sampling_params(args)
+    EngineConfig(**engine_kwargs(args))  # raises on a bad engine flag, before any loading
+    from swaserve import Engine
+
     engine = Engine(**engine_kwargs(args))
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.sampling_seed,
-    )
     if args.chat:
         outs = engine.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outs = engine.generate(prompts, params)
-    for out in outs:
+    failed = 0
+    for i, out in enumerate(outs):
+        if out.outputs[0].finish_reason == "abort":
+            failed += 1
+            which = f"prompt {i + 1} of {len(outs)}: " if len(outs) > 1 else ""
+            n = len(out.token_ids)
+            print(f"error: {which}generation aborted after {n} token{'s' * (n != 1)} "
+                  "(see the log above)", file=sys.stderr)
         print(out.text if len(outs) == 1 else json.dumps({"prompt": out.prompt, "text": out.text}))
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> int:
@@ -58,7 +79,7 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     cfg = json.loads((folder / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     result = main_from_config(cfg, args.context, args.kv_cache_gb, args.page_size)
-    print(json.dumps(result))
+    print(json.dumps(result, allow_nan=False))  # strict JSON: no Infinity or NaN
     return 0
 
 
@@ -143,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except ValueError as e:  # a flag or an input the command cannot take
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ConnectionError as e:  # a server that is not there (bench serve)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"invalid {name}={getattr(self, name)!r}: {why}")
+            flag = "--" + name.replace("_", "-")
+            return ValueError(f"invalid {flag} {getattr(self, name)!r} ({name}): {why}")
 
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", "must be >= 1")
@@ -68,6 +69,32 @@ class EngineConfig:
             raise bad("disk_cache_gb", "must be > 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
+        self._check_device()
+
+    def _check_device(self) -> None:
+        """--device names a device this torch can use: a ValueError now, not a traceback
+        after the weights load."""
+        if self.device == "auto":
+            return
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(
+                f"invalid --device {self.device!r}: must be auto, cpu, cuda or cuda:N"
+            ) from None
+        if dev.type != "cuda":
+            return
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {self.device}: no CUDA device is available to this torch "
+                f"({torch.__version__}); use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"--device {self.device}: this machine has {count} CUDA device(s), "
+                f"cuda:0..cuda:{count - 1}"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -100,7 +100,8 @@ def run_memory_bench(
 ) -> dict[str, Any]:
     """Concurrent requests of `context` tokens in `kv_cache_gb` GiB: window-aware vs all-full.
 
-    `ratio` = max_concurrent / max_concurrent_all_full (inf if the baseline fits none);
+    `ratio` = max_concurrent / max_concurrent_all_full (None when the baseline fits none:
+    the result is strict JSON);
     `ideal_ratio` = bytes_per_request_all_full / bytes_per_request."""
     if context < 1 or chunk < 1:
         raise ValueError("context and chunk must be >= 1")
@@ -114,7 +115,7 @@ def run_memory_bench(
         "bytes_per_request_all_full": full["bytes_per_request"],
         "max_concurrent": swa["max_concurrent"],
         "max_concurrent_all_full": base,
-        "ratio": swa["max_concurrent"] / base if base else float("inf"),
+        "ratio": swa["max_concurrent"] / base if base else None,
         "ideal_ratio": full["bytes_per_request"] / swa["bytes_per_request"],
         "context": context,
         "page_size": page_size,

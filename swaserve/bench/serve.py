@@ -183,6 +183,24 @@ def _stats(name: str, xs: list[float]) -> dict[str, float]:
     }
 
 
+async def _probe(client: Any, base: str, model: str | None) -> str:
+    """GET /v1/models before any load: returns `model`, or the server's first model when it is
+    None. Raises ConnectionError when nothing answers at `base`, ValueError on an HTTP error."""
+    import httpx
+
+    url = f"{base}/v1/models"
+    try:
+        r = await client.get(url, timeout=30)
+    except httpx.TransportError as e:
+        raise ConnectionError(f"cannot connect to {base}: {e or type(e).__name__}") from None
+    if model is not None:
+        return model
+    if r.status_code != 200:
+        detail = f"HTTP {r.status_code} {r.text[:200]!r}"
+        raise ValueError(f"GET {url}: {detail} (check --base-url and --api-key)")
+    return r.json()["data"][0]["id"]
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
@@ -190,11 +208,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(1, args.max_concurrency) + 4)
     async with httpx.AsyncClient(headers=headers, limits=limits) as client:
-        model = args.model
-        if model is None:
-            r = await client.get(f"{base}/v1/models", timeout=30)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+        model = await _probe(client, base, args.model)
         dataset = build_dataset(args)
         sem = asyncio.Semaphore(max(1, args.max_concurrency))
         rng = random.Random(args.seed + 1)

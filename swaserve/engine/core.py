@@ -14,7 +14,13 @@ import torch
 from swaserve.attention import backend_class
 from swaserve.config import EngineConfig
 from swaserve.engine.forward_batch import DeviceTokens
-from swaserve.engine.limits import check_prompt, check_token_ids
+from swaserve.engine.limits import (
+    ContextLimit,
+    check_model_len,
+    check_prompt,
+    check_token_ids,
+    fit_context,
+)
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import PLACEHOLDER, Request, RequestStatus
 from swaserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -70,6 +76,10 @@ class EngineCore:
         self.dtype = config.torch_dtype()
         self.hf_config = load_hf_config(folder)
         hf = self.hf_config
+        # Before the weights load: a bad --max-model-len fails in a second, not after minutes.
+        self.max_model_len = check_model_len(
+            config.max_model_len, int(hf.max_position_embeddings)
+        )
         self.model = build_model(
             hf, folder, self.dtype, self.device, config.load_format == "dummy", config.seed
         )
@@ -77,7 +87,6 @@ class EngineCore:
             from swaserve.ops import enable_fused_ops
 
             enable_fused_ops(self.model)  # before profiling, calibration and graph capture
-        self.max_model_len = config.max_model_len or int(hf.max_position_embeddings)
         self.eos_token_ids = eos_token_ids(folder, hf)
         self.layout = build_layout(layer_windows(hf), all_full=config.disable_hybrid_kv_cache)
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
@@ -88,14 +97,17 @@ class EngineCore:
         backend = backend_class(config.backend_name())(self.layout, config.page_size, self.device)
         num_pages = max(2, int(self._kv_bytes(backend, (kv_heads, head_dim), kv_dtype)
                                // bytes_per_page))
+        self.memory = MemoryManager(
+            self.layout, config.page_size, num_pages, watermark_pages=len(self.layout.groups)
+        )
+        # Before the KV tensors, calibration and graph capture (its tables are sized by
+        # max_model_len): the context is at most what the pool holds for one request.
+        self._fit_context_to_pool(num_pages)
         self.kv = KVPool(
             self.layout, num_pages, config.page_size, kv_heads, head_dim, kv_dtype, self.device
         )
         if self.kv.is_fp8:
             self._set_fp8_scales(kv_heads, head_dim)
-        self.memory = MemoryManager(
-            self.layout, config.page_size, num_pages, watermark_pages=len(self.layout.groups)
-        )
         self.cache = build_prefix_cache(config, self.memory, self.kv)
         self.scheduler = Scheduler(
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache
@@ -117,6 +129,26 @@ class EngineCore:
             num_pages * bytes_per_page / 1e9,
             [(g.kind, g.window, len(g.layers)) for g in self.layout.groups],
         )
+
+    def _fit_context_to_pool(self, num_pages: int) -> None:
+        """Cap max_model_len to the most tokens one request can hold in the pool (vLLM does
+        the same), with a warning; an explicit --max-model-len that does not fit, or a pool
+        that holds fewer than 2 tokens, is a ValueError naming the flags."""
+        c = self.config
+        on_gpu = self.device.type == "cuda" and c.kv_cache_gb is None
+        flags = "--gpu-memory-utilization or --kv-cache-gb" if on_gpu else "--kv-cache-gb"
+        n = num_pages - 1
+        pool = f"{n} page{'s' if n != 1 else ''} of {c.page_size} tokens"
+        limit = fit_context(self.max_model_len, c.max_model_len is not None,
+                            self.memory.max_request_tokens(), pool, flags)
+        if limit.by_kv_pool:
+            log.warning(
+                "max_model_len capped from %d to %d tokens: that is all the KV pool (%s) "
+                "holds for one request; raise %s for the model's full context",
+                self.max_model_len, limit.tokens, pool, flags,
+            )
+        self.max_model_len = limit.tokens
+        self.context_by_kv_pool = limit.by_kv_pool
 
     def _set_fp8_scales(self, kv_heads: int, head_dim: int) -> None:
         n = self.hf_config.num_hidden_layers
@@ -166,7 +198,8 @@ class EngineCore:
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Validate a prompt against the context; returns the max_tokens to use."""
-        return check_prompt(self.max_model_len, num_prompt_tokens, params)
+        limit = ContextLimit(self.max_model_len, self.context_by_kv_pool)
+        return check_prompt(limit, num_prompt_tokens, params)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

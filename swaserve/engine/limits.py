@@ -1,7 +1,9 @@
 """The context rule, shared by the engine and the server frontend (which must not import the
-model stack): what a prompt and its max_tokens may be."""
+model stack): how long the context is, and what a prompt and its max_tokens may be."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from swaserve.sampling.params import SamplingParams
 
@@ -14,29 +16,85 @@ class PromptError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class ContextLimit:
+    """The most tokens (prompt + output) one request may reach, and why: the model's context
+    (`max_model_len`), or all that the KV pool holds for one request when that is less."""
+
+    tokens: int
+    by_kv_pool: bool = False
+
+    def describe(self) -> str:
+        if self.by_kv_pool:
+            return f"the {self.tokens} tokens that fit in the KV pool for one request"
+        return f"the context of {self.tokens} tokens (max_model_len)"
+
+
+def check_model_len(requested: int | None, model_max: int) -> int:
+    """--max-model-len against the model's maximum (max_position_embeddings): returns the
+    context to use (the model's maximum when not set), or raises ValueError naming both."""
+    if requested is None:
+        return model_max
+    if requested > model_max:
+        raise ValueError(
+            f"--max-model-len {requested} is above the model's maximum context of {model_max} "
+            "tokens (max_position_embeddings in its config.json)"
+        )
+    return requested
+
+
+def fit_context(
+    max_model_len: int,
+    explicit: bool,
+    pool_tokens: int,
+    pool: str = "",
+    flags: str = "--kv-cache-gb",
+) -> ContextLimit:
+    """The context once the KV pool is sized: `max_model_len` when one request of that length
+    fits (`pool_tokens`: MemoryManager.max_request_tokens), else the pool's limit when the
+    user did not set --max-model-len (`explicit` false; the caller warns). Raises ValueError
+    when fewer than 2 tokens fit, or when an explicit --max-model-len does not fit. `pool`
+    describes the pool, `flags` names the flags that size it (both for the messages)."""
+    where = f"the KV pool ({pool})" if pool else "the KV pool"
+    if pool_tokens < 2:
+        raise ValueError(f"{where} cannot hold one request; raise {flags}")
+    if pool_tokens >= max_model_len:
+        return ContextLimit(max_model_len)
+    if explicit:
+        raise ValueError(
+            f"--max-model-len {max_model_len} does not fit in {where}, which holds "
+            f"{pool_tokens} tokens for one request; raise {flags} or lower --max-model-len"
+        )
+    return ContextLimit(pool_tokens, by_kv_pool=True)
+
+
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
     if any(not 0 <= t < vocab_size for t in ids):
         raise PromptError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
 
 
-def check_prompt(max_model_len: int, num_prompt_tokens: int, params: SamplingParams) -> int:
+def check_prompt(
+    limit: int | ContextLimit, num_prompt_tokens: int, params: SamplingParams
+) -> int:
     """The context rule, shared by the engine and the server: returns the max_tokens to use
-    (the rest of the context when omitted) or raises PromptError naming the limit."""
-    limit, n = max_model_len, num_prompt_tokens
+    (the rest of the context when omitted) or raises PromptError naming the limit (the KV
+    pool when `limit` came from it; a plain int is the model's max_model_len)."""
+    if not isinstance(limit, ContextLimit):
+        limit = ContextLimit(limit)
+    n = num_prompt_tokens
     if n == 0:
         raise PromptError("the prompt is empty", "prompt")
-    if n >= limit:
+    if n >= limit.tokens:
         raise PromptError(
-            f"the prompt has {n} tokens; the context is {limit} tokens (max_model_len), "
-            "leaving no room to generate",
+            f"the prompt has {n} tokens, leaving no room to generate within {limit.describe()}",
             "prompt",
         )
     if params.max_tokens is None:
-        return limit - n
-    if n + params.max_tokens > limit:
+        return limit.tokens - n
+    if n + params.max_tokens > limit.tokens:
         raise PromptError(
-            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
-            f"{limit} tokens (max_model_len)",
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"{limit.describe()}",
             "max_tokens",
         )
     return params.max_tokens

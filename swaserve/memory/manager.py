@@ -32,6 +32,7 @@ Pure CPU bookkeeping: no torch, no device syncs. The KV tensors live in memory/k
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -123,6 +124,36 @@ class MemoryManager:
 
         Raises KeyError for a request with nothing allocated."""
         return [list(t) for t in self._requests[request_id].tables]
+
+    def max_request_tokens(self) -> int:
+        """The most tokens one request alone can hold: the largest L (a whole number of pages)
+        with pages(L) + watermark_pages <= capacity, where pages(L) sums over groups
+        ceil(L / page_size) for a full group and min(ceil(L / page_size), ceil((w - 1) /
+        page_size) + 1) for an SWA group of window w: its footprint settles at the pages of
+        the w - 1 keys the next query reads plus the page it writes (chunks shrink to what
+        fits and out-of-window pages retire first). 0 when not one page per group fits;
+        sys.maxsize when every group is SWA and all their footprints fit."""
+        budget = self.pool.capacity - self.watermark_pages
+        caps = [None if g.window is None else _ceil_div(g.window - 1, self.page_size) + 1
+                for g in self.layout.groups]
+
+        def pages(slots: int) -> int:
+            return sum(slots if c is None else min(slots, c) for c in caps)
+
+        if None in caps:
+            hi = max(0, budget)  # a full group needs one page per slot: slots <= budget
+        else:
+            hi = max(caps)
+            if pages(hi) <= budget:
+                return sys.maxsize
+        lo = 0  # pages() is nondecreasing: the largest slot count that fits, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if pages(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * self.page_size
 
     def pages_needed(self, request: RequestLike, num_new_tokens: int) -> int:
         """New pages, summed over groups, to compute tokens [c, c + num_new_tokens).

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swaserve.engine.limits import PromptError, check_prompt, check_token_ids
+from swaserve.engine.limits import ContextLimit, PromptError, check_prompt, check_token_ids
 from swaserve.outputs import RequestOutput
 from swaserve.sampling.params import SamplingParams
 from swaserve.server import protocol as P
@@ -56,6 +56,7 @@ class ServerState:
     api_key: str | None
     metrics: Metrics
     created: int
+    context_by_kv_pool: bool = False  # max_model_len is what the KV pool holds (error text)
     # Tokenizing and chat templates run here, not on the event loop: a long prompt would stall
     # every other request's streaming. One thread: requests tokenized in arrival order, and
     # the tokenizer never used from two threads at once.
@@ -258,7 +259,8 @@ def _check_prompt(state: ServerState, ids: list[int], params: SamplingParams) ->
     """The engine's context rule, checked before anything starts (400 naming the limit)."""
     try:
         check_token_ids(ids, state.vocab_size)
-        check_prompt(state.max_model_len, len(ids), params)
+        limit = ContextLimit(state.max_model_len, state.context_by_kv_pool)
+        check_prompt(limit, len(ids), params)
     except PromptError as e:
         raise bad(str(e), e.param) from None
 

@@ -10,7 +10,8 @@ The loop (message kinds in `swaserve.server.ipc`):
 It never waits on HTTP: outputs go out through a PUSH socket without a high-water mark. It
 exits when told to (`shutdown`), when its parent process is gone (checked every iteration,
 at least once a second), and, after sending `dead` with the traceback, on any error inside a
-step (the frontend then answers 503 and exits).
+step (the frontend then answers 503 and exits). A ValueError while the core starts (a flag the
+model or the KV pool cannot take) is sent as its one-line message, not a traceback.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class CoreLoop:
                 READY,
                 {
                     "max_model_len": core.max_model_len,
+                    "context_by_kv_pool": core.context_by_kv_pool,
                     "vocab_size": int(core.hf_config.vocab_size),
                     "pid": os.getpid(),
                     "stats": core_stats(core),
@@ -157,21 +159,30 @@ def main(argv: list[str] | None = None) -> int:
         from swaserve.engine.core import EngineCore
 
         config = EngineConfig(**spec["config"])
-        core = EngineCore(config, Path(spec["folder"]))
+        try:
+            core = EngineCore(config, Path(spec["folder"]))
+        except ValueError as e:  # a flag the model or the pool cannot take: one line
+            log.error("engine core failed: %s", e)
+            _last_words(None, ctx, spec["out_addr"], str(e))
+            return 1
         loop = CoreLoop(core, spec["in_addr"], spec["out_addr"])
         loop.run()
         return 0
     except Exception:
         tb = traceback.format_exc()
         log.error("engine core failed:\n%s", tb)
-        out = loop.out if loop is not None else ctx.socket(zmq.PUSH)
-        if loop is None:
-            out.setsockopt(zmq.LINGER, 2000)
-            out.connect(spec["out_addr"])
-        out.send(encode([DEAD, tb]))
-        out.close(2000)
+        _last_words(loop, ctx, spec["out_addr"], tb)
         return 1
 
+
+def _last_words(loop: CoreLoop | None, ctx: zmq.Context, out_addr: str, message: str) -> None:
+    """Sends `dead` with `message` (on the loop's socket, or a new one before the loop)."""
+    out = loop.out if loop is not None else ctx.socket(zmq.PUSH)
+    if loop is None:
+        out.setsockopt(zmq.LINGER, 2000)
+        out.connect(out_addr)
+    out.send(encode([DEAD, message]))
+    out.close(2000)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,10 +10,11 @@ Every message is a msgpack list whose first item is its kind:
     ["add", [[core_id, prompt_token_ids, SamplingParams.to_dict()], ...]]   all or none
     ["abort", [core_id, ...]]
     ["shutdown"]
-    ["ready", {"max_model_len", "vocab_size", "pid", "stats"}]
+    ["ready", {"max_model_len", "context_by_kv_pool", "vocab_size", "pid", "stats"}]
     ["outputs", [wire(EngineCoreOutput), ...], stats]     stats: see core_process.core_stats
     ["reject", [core_id, ...], message]                   an add the core refused (ValueError)
-    ["dead", message]                                     the core's last words (a traceback)
+    ["dead", message]                                     the core's last words (a traceback,
+                                                          or one line for a bad flag at start)
 
 `CoreClient` is the frontend half: it owns the `OutputProcessor` (detokenizing, stop strings),
 hands each user request's `RequestOutput`s to that request's asyncio queue, and never waits on

@@ -1,7 +1,9 @@
 """`swaserve serve`: the EngineCore process + the HTTP frontend (uvicorn) in this process.
 
-Startup: resolve the model folder (GGUF conversion happens here, once), bind the IPC sockets,
-start the core (`python -m swaserve.server.core_process`), wait for its `ready`, then listen.
+Startup: bind the HTTP port (a busy port fails at once, before any model loads), resolve the
+model folder (GGUF conversion happens here, once), bind the IPC sockets, start the core
+(`python -m swaserve.server.core_process`), wait for its `ready`, then listen on the bound
+socket (uvicorn) and only then log "serving on ...".
 
 Watchdog: when the core process exits or reports a fatal error, every live request ends with
 an error, new requests get 503, the reason is logged, and the server exits with status 1
@@ -18,12 +20,13 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,26 @@ def start_core(
     return subprocess.Popen(cmd)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, not listening yet (connections are refused until
+    uvicorn listens on it). Raises ValueError naming the address when it cannot bind."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r}: cannot resolve it ({e})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is ok
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"cannot bind {host}:{port} (--host/--port): {e.strerror or e}"
+        ) from None
+    return sock
+
+
 def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the cleanup below
 
@@ -91,20 +114,26 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from swaserve.engine.engine import load_tokenizer, resolve_folder
-
-    folder = resolve_folder(config.model)
-    tokenizer = load_tokenizer(folder, config.tokenizer)
-    chat_template = read_chat_template(config.chat_template)
-    tmp = tempfile.mkdtemp(prefix="swaserve-ipc-")
-    procs: list[subprocess.Popen] = []
-    ready: list[bool] = []
+    sock = bind_socket(args.host, args.port)  # first: a busy port fails before any loading
     try:
-        return asyncio.run(_main(config, args, folder, tokenizer, chat_template, tmp, procs, ready))
+        from swaserve.engine.engine import load_tokenizer, resolve_folder
+
+        folder = resolve_folder(config.model)
+        tokenizer = load_tokenizer(folder, config.tokenizer)
+        chat_template = read_chat_template(config.chat_template)
+        tmp = tempfile.mkdtemp(prefix="swaserve-ipc-")
+        procs: list[subprocess.Popen] = []
+        ready: list[bool] = []
+        try:
+            return asyncio.run(
+                _main(config, args, sock, folder, tokenizer, chat_template, tmp, procs, ready)
+            )
+        finally:
+            for proc in procs:
+                _stop(proc, graceful=bool(ready))
+            shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        for proc in procs:
-            _stop(proc, graceful=bool(ready))
-        shutil.rmtree(tmp, ignore_errors=True)
+        sock.close()
 
 
 def _stop(proc: subprocess.Popen, graceful: bool) -> None:
@@ -123,6 +152,7 @@ def _stop(proc: subprocess.Popen, graceful: bool) -> None:
 async def _main(
     config: EngineConfig,
     args: ServerArgs,
+    sock: socket.socket,
     folder: Path,
     tokenizer: Any,
     chat_template: str | None,
@@ -159,6 +189,7 @@ async def _main(
             model_name=config.model,
             chat_template=chat_template,
             max_model_len=int(info["max_model_len"]),
+            context_by_kv_pool=bool(info.get("context_by_kv_pool", False)),
             vocab_size=int(info["vocab_size"]),
             max_n=args.max_n,
             max_logprobs=config.max_logprobs,
@@ -175,16 +206,21 @@ async def _main(
                 timeout_graceful_shutdown=2,
             )
         )
-        watchdog = asyncio.get_running_loop().create_task(_watchdog(proc, client, server))
-        log.info(
+        server.on_started = lambda: log.info(
             "serving %s on http://%s:%d (engine core pid %d)",
             config.model,
             args.host,
             args.port,
             proc.pid,
         )
-        await server.serve()
-        watchdog.cancel()
+        watchdog = asyncio.get_running_loop().create_task(_watchdog(proc, client, server))
+        try:
+            await server.serve(sockets=[sock])
+        except OSError as e:  # listen() failed: another process bound the port and listens
+            log.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+            return 1
+        finally:
+            watchdog.cancel()
         return 1 if client.dead is not None else 0
     finally:
         client.close()
@@ -195,7 +231,15 @@ def _server_class() -> type:
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM once it has shut down, which would kill this process
-        before it stops the core and removes the IPC folder; here the signals only stop it."""
+        before it stops the core and removes the IPC folder; here the signals only stop it.
+        `on_started` runs once it listens (uvicorn logs no address for a given socket)."""
+
+        on_started: Callable[[], None] | None = None
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and self.on_started is not None:
+                self.on_started()
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:

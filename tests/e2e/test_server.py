@@ -833,3 +833,65 @@ def test_bench_serve_shared_prefix_multi_turn_reports_hits(server, tmp_path):
     assert result["completed"] == 8 and result["failed"] == 0
     assert result["total_cached_tokens"] > 0 and 0 < result["prefix_cache_hit_rate"] < 1
     wait_idle(server)
+
+
+# ---- fresh-clone items (issue 10): the pool caps the context, a busy port fails first --------
+
+
+def test_context_capped_by_the_kv_pool_is_a_400(tiny_server_factory):
+    """A pool too small for the model's 4096 tokens caps the context (a warning in the log);
+    prompt + max_tokens beyond it is a 400 saying how much fits; an omitted max_tokens runs
+    to the capped end."""
+    srv = tiny_server_factory("--kv-cache-gb", "0.0001")
+    limit = httpx.get(srv.base_url + "/models").json()["data"][0]["max_model_len"]
+    assert 16 < limit < 4096
+    log = srv.log()
+    assert f"max_model_len capped from 4096 to {limit} tokens" in log
+    assert re.search(r"serving .* on http://127\.0\.0\.1:\d+", log)
+    for stream in (False, True):
+        r = post(srv, "/completions", {"prompt": "hi", "max_tokens": limit, "stream": stream})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] == "max_tokens"
+        assert f"{limit} tokens that fit in the KV pool" in err["message"], err
+    ids = [5 + i % 100 for i in range(limit - 12)]
+    r = post(srv, "/completions", {"prompt": ids, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 12
+
+
+def test_busy_port_fails_before_loading(tmp_path):
+    """The port is bound before anything loads: a busy one fails at once with a one-line
+    error naming it (the model name is not even looked up)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cmd = [sys.executable, "-m", "swaserve.cli", "serve", "--port", str(port),
+               "--model", "no-such-model-xyz", "--device", "cpu"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot bind 127.0.0.1:{port}"), p.stderr
+
+
+def test_max_model_len_above_the_model_fails_in_one_line(tiny_model_folder, tmp_path):
+    """--max-model-len above max_position_embeddings: the core stops before the weights load
+    and the server exits non-zero, logging one line (no traceback)."""
+    from tests.e2e.conftest import RunningServer
+
+    srv = RunningServer(["--model", str(tiny_model_folder), "--device", "cpu",
+                         "--max-model-len", "5000"], tmp_path / "too-long.log")
+    try:
+        assert srv.proc.wait(timeout=120) != 0
+    finally:
+        srv.stop()
+    log = srv.log()
+    assert "--max-model-len 5000 is above the model's maximum context of 4096 tokens" in log
+    assert "Traceback" not in log, log

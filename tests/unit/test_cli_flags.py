@@ -1,6 +1,10 @@
-"""Engine flags come from EngineConfig's fields: booleans are switches, numbers parse."""
+"""Engine flags come from EngineConfig's fields: booleans are switches, numbers parse, and a bad
+value is an error naming its flag (a CUDA device this torch lacks included)."""
 
 import argparse
+
+import pytest
+import torch
 
 from swaserve.cli import add_engine_args, engine_kwargs
 from swaserve.config import EngineConfig
@@ -20,3 +24,17 @@ def test_bool_flags_are_switches_and_numbers_parse() -> None:
     assert cfg.max_num_seqs == 8 and cfg.disk_cache_gb == 1.5 and cfg.kv_cache_gb == 2.0
     default = _parse([])
     assert default.disable_prefix_cache is False and default.kv_cache_gb is None
+
+
+def test_config_errors_name_the_flag() -> None:
+    with pytest.raises(ValueError, match=r"^invalid --max-num-seqs 0 "):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match=r"^invalid --device 'gpu0': must be"):
+        EngineConfig(device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^--device cuda:1: no CUDA device"):
+            EngineConfig(device="cuda:1")
+    else:
+        n = torch.cuda.device_count()
+        with pytest.raises(ValueError, match=rf"^--device cuda:{n}: this machine has {n}"):
+            EngineConfig(device=f"cuda:{n}")
