@@ -196,20 +196,34 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, reserve: int = 0) -> int | None:
         """Allocate the first chunk of a waiting request, from its longest cached prefix.
-        Returns the chunk's token count, or None (nothing changed) when it does not fit."""
+        Returns the chunk's token count, or None (nothing changed) when it does not fit.
+
+        The hit stays locked from the match until the request holds its pages: evicting to
+        make room for it, and the tidying that follows, must not remove a node of the hit (a
+        leaf whose end is not a reuse point is dropped once nothing pins it)."""
         hit = None
         if self.cache is not None and req.params.prompt_logprobs is None:
             # Prompt logprobs need every prompt position computed: no hit for those.
             hit = self.cache.match(req.tokens(0, req.num_tokens), req.num_tokens - 1)
-        n = self._fit(req, hit, budget, reserve)
-        if n is None and hit is not None and hit.num_tokens and not self.running:
-            hit = None  # nothing else runs: as a miss it may fit where the hit's pages do not
+            if hit.num_tokens:
+                self.cache.lock(hit)
+            else:
+                hit = None
+        try:
             n = self._fit(req, hit, budget, reserve)
-        if n is None:
-            return None
-        if self.cache is not None:
-            self.cache.attach(req.request_id, hit or PrefixHit(), req.num_prompt_tokens)
-        if hit is not None and hit.num_tokens:
+            if n is None and hit is not None and not self.running:
+                # Nothing else runs: as a miss it may fit where the hit's pages do not.
+                self.cache.unlock(hit)
+                hit = None
+                n = self._fit(req, hit, budget, reserve)
+            if n is None:
+                return None
+            if self.cache is not None:
+                self.cache.attach(req.request_id, hit or PrefixHit(), req.num_prompt_tokens)
+        finally:
+            if hit is not None:
+                self.cache.unlock(hit)
+        if hit is not None:
             req.num_computed_tokens = hit.num_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = hit.num_tokens
@@ -222,10 +236,10 @@ class Scheduler:
     ) -> int | None:
         """The chunk a waiting request would start with, if its pages fit (joint fit plus the
         watermark and the running requests' growth reserve), evicting unlocked cache pages
-        (never the hit's) to make room. When the whole chunk does not fit, a shorter one of
-        whole pages does (at least one new page per group), if the full groups have room for
-        the whole prompt: a long prompt starts where its first chunk's SWA pages for every
-        group would not fit at once."""
+        (never the hit's: the caller keeps it locked) to make room. When the whole chunk does
+        not fit, a shorter one of whole pages does (at least one new page per group), if the
+        full groups have room for the whole prompt: a long prompt starts where its first
+        chunk's SWA pages for every group would not fit at once."""
         p = hit.num_tokens if hit is not None else 0
         n = min(req.num_tokens - p, budget)
         fixed = self.memory.watermark_pages + reserve
@@ -240,13 +254,7 @@ class Scheduler:
         full_need = sum(g.window is None for g in groups) * prompt_pages + fixed
         short = max(need, full_need) - self.memory.pool.num_free
         if short > 0 and self.cache is not None:
-            if hit is not None:
-                self.cache.lock(hit)
-            try:
-                self.cache.evict(short)
-            finally:
-                if hit is not None:
-                    self.cache.unlock(hit)
+            self.cache.evict(short)
         free = self.memory.pool.num_free
         if full_need > free:
             return None

@@ -324,7 +324,7 @@ class PageMover:
                     for p in src_pages:
                         self._reading[(src, p)] = (n, last)
             else:  # a store or a move: wait for the loads still reading the pages it writes
-                for ev in self._readers(dst, op[3]):
+                for ev in self._readers(dst, op[3], n):
                     if self.cuda and src is None:
                         self._store_stream.wait_event(ev)
                     else:
@@ -351,11 +351,14 @@ class PageMover:
         ev.record(self._load_stream)
         return ev
 
-    def _readers(self, tier: int, pages: list[int]) -> list[Any]:
+    def _readers(self, tier: int, pages: list[int], current: int) -> list[Any]:
+        """Events of the loads that may still read these offload pages: those of an earlier
+        flush not landed yet, and those issued earlier in the flush in progress (`current`,
+        recorded in `_events` only once it ends)."""
         out: dict[int, Any] = {}
         for p in pages:
             entry = self._reading.pop((tier, p), None)
-            if entry is not None and entry[0] in self._events:  # that flush not landed yet
+            if entry is not None and (entry[0] == current or entry[0] in self._events):
                 out[id(entry[1])] = entry[1]
         return list(out.values())
 

@@ -267,6 +267,29 @@ class MemoryManager:
             for p in table[first_live[g] :]:
                 self._add_ref(p, g)
 
+    def share_pages(self, request_id: str, swaps: list[tuple[int, int, int]]) -> list[int]:
+        """Point live table slots of a request at pages another holder has with the same K/V
+        (the prefix cache's copy of tokens the request computed itself, concurrently with
+        another): `swaps` lists (group, slot, page). The request takes a reference to each new
+        page and drops its old one; returns the pages that became free.
+
+        The forward already enqueued may still read an old page: one freed here is handed out
+        by a later step, whose writes come after it on the same stream."""
+        st = self._requests[request_id]
+        dropped = []
+        for g, slot, page in swaps:
+            old = st.tables[g][slot]
+            if slot < st.first_live[g] or old == NULL_PAGE:
+                raise ValueError(f"share_pages: group {g} slot {slot} of {request_id} is retired")
+            if self.pool.refcount(page) == 0:
+                raise ValueError(f"share_pages: page {page} is free")
+            self.pool.incref([page])
+            self._add_ref(page, g)
+            st.tables[g][slot] = page
+            self._drop_ref(old, g)
+            dropped.append(old)
+        return self.pool.decref(dropped)
+
     def copy_pages(self, src: list[int], dst: list[int]) -> list[tuple[int, int]]:
         """Record page copies src[i] -> dst[i] (copy-on-write of a shared partial page).
 

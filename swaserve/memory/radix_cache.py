@@ -50,6 +50,11 @@ Eviction, only under pressure (`evict(n)`, bounded by n):
      every branch end stays a valid reuse point. A node made by a split may lack its tail
      window; if it becomes a leaf with an unusable end it is removed (or, while a request
      still uses its pages, kept as a suspect and removed once that request lets go).
+     A leaf that running requests share only up to some slot (they hit it mid-way) has its
+     unshared tail split off and evicted the same way.
+  3. Last resort, still short: the tail windows of internal nodes (their ends stop being
+     reuse points). With 2 and 3, a request running alone can always get every page the
+     tree holds that it does not use itself: it is never aborted for the cache's sake.
 Offload tiers make room the same way: redundant copies first, then demotion to the next tier
 (host -> disk), then leaves that live only there.
 
@@ -62,6 +67,9 @@ own stream on CUDA (host_cache.py), so they overlap the forwards of other reques
       is never evicted, dropped or handed out again meanwhile, whoever lets go of it
       (a request aborted, finished or preempted with loads in flight just drops its own
       references; nothing waits);
+    - the offload copies of a node with a page in flight stay where they are until it landed
+      (not dropped as redundant, not demoted): the load may be reading them, and a freed
+      offload page can take another node's store in the same flush;
     - a request whose table holds an in-flight page (its own loads, or another request's
       that bring in pages it shares) records the flush it needs (`_waits`);
       `loads_pending(id)` stays true until that flush landed, and the scheduler keeps the
@@ -451,7 +459,10 @@ class RadixCache:
         end = request.num_computed_tokens // self.ps * self.ps
         if end <= self._inserted.get(rid, 0) or rid not in self.memory:
             return
-        self._insert(request.tokens(0, end), self.memory.page_table(rid))
+        swaps: list[tuple[int, int, int]] = []
+        self._insert(request.tokens(0, end), self.memory.page_table(rid), swaps)
+        if swaps:
+            self.memory.share_pages(rid, swaps)
         self._inserted[rid] = end
 
     def release(self, request_id: str) -> None:
@@ -471,7 +482,7 @@ class RadixCache:
                 freed += self._tidy(node)
         return freed
 
-    def _insert(self, tokens: list[int], tables: list[list[int]]) -> None:
+    def _insert(self, tokens: list[int], tables: list[list[int]], swaps: list) -> None:
         ps, end = self.ps, len(tokens)
         # Below first_live[g] the request's table is NULL (retired): nothing to adopt there.
         first_live = [next((s for s, p in enumerate(t) if p != NULL), len(t)) for t in tables]
@@ -485,7 +496,7 @@ class RadixCache:
                 else:
                     node = self._new_node(node, tokens[pos:end], tables)
                 node.last_access = stamp
-                return
+                break
             n = min(len(child.key), end - pos) // ps
             k = n if child.key[: n * ps] == tokens[pos : pos + n * ps] else 1
             while (
@@ -495,24 +506,38 @@ class RadixCache:
                 k += 1
             if k < child.n_slots and pos + k * ps < end:
                 child = self._split(child, k)  # the request diverges after page k
-            self._adopt(child, min(k, child.n_slots), tables, first_live)
+            self._adopt(child, min(k, child.n_slots), tables, first_live, swaps)
             child.last_access = stamp
             pos += k * ps
             node = child
+        # The table may hold nothing live for the new slots (window 1 and no full group: a
+        # page-aligned hit references no page, and its path may have been evicted since):
+        # a leaf that cannot be reused at its end goes now, or once the request lets go.
+        self._tidy(node)
 
-    def _adopt(self, node: Node, upto: int, tables: list[list[int]], first_live) -> None:
-        """Revive tombstones (and offload-only slots) of node slots [0, upto) with the
-        request's live pages: the same tokens at the same positions, so the same K/V."""
+    def _adopt(self, node: Node, upto: int, tables: list[list[int]], first_live, swaps) -> None:
+        """Node slots [0, upto) hold the request's tokens at the same positions, so the same
+        K/V: revive tombstones (and offload-only slots) with the request's live pages, and
+        where both have a device page (the request computed it while another did the same),
+        the request shares the tree's and lets go of its own (`swaps`: group, slot, page), so
+        its table holds the tree's pages of its path, which its references lock, and its
+        duplicates go back to the pool. Not a page still being loaded (the request would
+        have to wait for it)."""
         s0 = node.start // self.ps
-        if node.num_dev == node.n_slots * len(self.groups):
-            return
         for g, table in enumerate(tables):
             row = node.dev[g]
-            for i in range(max(0, first_live[g] - s0), min(upto, len(table) - s0)):
+            lo, hi = max(0, first_live[g] - s0), min(upto, len(table) - s0)
+            if row[lo:hi] == table[s0 + lo : s0 + hi]:
+                continue  # the usual case, compared at C speed: the same pages
+            for i in range(lo, hi):
                 page = table[s0 + i]
-                if row[i] == NULL and page != NULL:
+                if page == NULL or row[i] == page:
+                    continue
+                if row[i] == NULL:
                     self.pool.incref([page])
                     self._set_dev(node, g, i, page)
+                elif row[i] not in self._inflight:
+                    swaps.append((g, s0 + i, row[i]))
 
     def _new_node(self, parent: Node, key: list[int], tables: list[list[int]]) -> Node:
         node = Node(parent, key, parent.end, len(key) // self.ps, len(self.groups), len(self.tiers))
@@ -598,6 +623,11 @@ class RadixCache:
             # until none.
             while not swa_only and self.evicted_pages < goal and self._evict_leaves(goal):
                 pass
+            for level in (1, 2):
+                # Last resort, before a request is preempted or found not to fit: the tail
+                # windows of internal nodes (their ends stop being reuse points).
+                if not swa_only and self.evicted_pages < goal:
+                    self._evict_swa(goal, level)
             if self.evicted_pages >= goal or not self._inflight:
                 break
             # Short, and copies in flight hold pages: wait for them (better than preempting).
@@ -613,23 +643,61 @@ class RadixCache:
             return node.n_slots  # window 1: a page-aligned end needs no key
         return max(0, lo // self.ps - node.start // self.ps)
 
-    def _evict_swa(self, goal: int) -> None:
+    def _evict_swa(self, goal: int, level: int = 0) -> None:
+        """Drop SWA device pages nobody else holds, LRU node first.
+
+        level 0: outside each node's tail window (they become tombstones).
+        level 1, last resort: inside the tail windows of internal nodes too, where no leaf
+                 below reads them at its end (a leaf shorter than the window reaches up) or
+                 where an offload copy keeps the slot present.
+        level 2, still short: every SWA page of internal nodes; the leaves whose end needed
+                 one are removed after (`_tidy`).
+        A leaf's own tail window goes only with the leaf (`_evict_leaves`)."""
+        reach = self._leaf_reach() if level == 1 else {}
         for node in sorted(self.nodes, key=Node.lru_key):
             if self.evicted_pages >= goal:
-                return
+                break
             if node.pins or node.num_dev == 0 or node not in self.nodes:
+                continue
+            if level and not node.children:
                 continue
             for g in self.swa:
                 row = node.dev[g]
-                for i in range(self._tail(node, g)):
-                    if row[i] != NULL and self.pool.refcount(row[i]) == 1:
-                        self._drop_dev(node, g, i)
-                        if self.evicted_pages >= goal:
-                            break
+                if level == 0:
+                    stop = self._tail(node, g)
+                elif level == 1:  # the slots whose keys all lie before every leaf window below
+                    stop = min(node.n_slots, max(0, (reach[node][g] - node.start) // self.ps))
+                else:
+                    stop = node.n_slots
+                for i in range(node.n_slots if level == 1 else stop):
+                    if row[i] == NULL or self.pool.refcount(row[i]) != 1:
+                        continue
+                    if i >= stop and not any(t[g][i] != NULL for t in node.off):
+                        continue
+                    self._drop_dev(node, g, i)
+                    if self.evicted_pages >= goal:
+                        break
                 if self.evicted_pages >= goal:
                     break
             if not node.children:
                 self._tidy(node)  # window 1 and no full group: a leaf may be left empty
+        if level == 2:
+            for leaf in [n for n in self.nodes if not n.children]:
+                self._tidy(leaf)  # ends that read a dropped page go (or wait as suspects)
+
+    def _leaf_reach(self) -> dict[Node, list[int]]:
+        """Per node and group: the first key some leaf at or below it reads at its end (the
+        smallest lo_g(leaf end)); large for full groups, which never drop pages here."""
+        reach: dict[Node, list[int]] = {}
+        for n in self._postorder():
+            if n.children:
+                kids = [reach[c] for c in n.children.values()]
+                reach[n] = [min(k[g] for k in kids) for g in range(len(self.groups))]
+            else:
+                reach[n] = [
+                    n.end if w is None else self._lo(g, n.end) for g, w in enumerate(self.windows)
+                ]
+        return reach
 
     def _evictable(self, node: Node) -> bool:
         if node.pins:
@@ -652,7 +720,10 @@ class RadixCache:
         progress = False
         while heap and self.evicted_pages < goal:
             _, node = heapq.heappop(heap)
-            if node not in self.nodes or node.num_dev == 0 or not self._evictable(node):
+            if node not in self.nodes or node.num_dev == 0:
+                continue
+            if not self._evictable(node):
+                progress |= self._evict_tail(node, goal)
                 continue
             parent = node.parent
             self._evict_node(node)
@@ -670,6 +741,33 @@ class RadixCache:
                 below[a] = False
                 a = a.parent
         return progress
+
+    def _evict_tail(self, node: Node, goal: int) -> bool:
+        """A device leaf that running requests use only up to some slot (they hit it mid-way):
+        split the unshared tail off and evict it like a leaf. Bounded: the tail holds the
+        pages `goal` still needs, cut further up where the part kept then ends at a valid
+        reuse point; with none before the shared slots, the whole unshared tail goes. True if
+        it evicted anything."""
+        if node.pins or node in self._busy:
+            return False
+        shared = max(
+            (i for row in node.dev for i, p in enumerate(row)
+             if p != NULL and self.pool.refcount(p) > 1),
+            default=-1,
+        ) + 1
+        if shared == 0 or shared >= node.n_slots:
+            return False
+        cut, freed = node.n_slots, 0
+        while cut > shared and self.evicted_pages + freed < goal:
+            cut -= 1
+            freed += sum(row[cut] != NULL for row in node.dev)
+        while cut > shared and not self._end_valid(node, cut):
+            cut -= 1
+        if not self._end_valid(node, cut):
+            cut = shared  # the upper part cannot be reused at its end anyway: take it all
+        self._split(node, cut)  # `node` keeps the tail
+        self._evict_node(node)
+        return True
 
     def _evict_node(self, node: Node) -> int:
         """A device leaf leaves the device: to the first offload tier (full pages and the SWA
@@ -728,7 +826,7 @@ class RadixCache:
                     break
                 if node not in self.nodes or node.num_off[t] == 0 or node.pins:
                     continue
-                if node in self._busy:
+                if node in self._busy or self._loading(node):
                     continue
                 before = pool.num_free
                 for g in range(len(self.groups)):
@@ -750,6 +848,15 @@ class RadixCache:
                     self._tidy(parent)
                 progress |= pool.num_free > before
         return pool.num_free >= n
+
+    def _loading(self, node: Node) -> bool:
+        """A device page of the node is still being written by a load (or a copy): its offload
+        copies may be the load's source, so none of them is dropped, moved or reused until
+        the load landed (a store into a reused host page would overwrite what the load
+        reads). Loaded nodes are the most recently used: skipping them costs little."""
+        return bool(self._inflight) and any(
+            p in self._inflight for row in node.dev for p in row if p != NULL
+        )
 
     def _demote(self, node: Node, t: int) -> None:
         slots = [
@@ -812,19 +919,23 @@ class RadixCache:
             node = parent
         return freed
 
-    def _end_valid(self, node: Node) -> bool:
-        """The node's end is a valid reuse point (SWA windows; full slots are always present)."""
+    def _end_valid(self, node: Node, upto: int | None = None) -> bool:
+        """The node's end (or the end of its first `upto` slots) is a valid reuse point (SWA
+        windows; full slots are always present)."""
+        upto = node.n_slots if upto is None else upto
+        end = node.start + upto * self.ps
         for g in self.swa:
-            first = self._lo(g, node.end) // self.ps
-            n = node
+            first = self._lo(g, end) // self.ps
+            n, last = node, upto
             while n is not self.root:
                 s0 = n.start // self.ps
-                for i in range(n.n_slots - 1, max(first - s0, 0) - 1, -1):
+                for i in range(last - 1, max(first - s0, 0) - 1, -1):
                     if not self._present(n, g, i):
                         return False
                 if s0 <= first:
                     break
                 n = n.parent
+                last = n.n_slots
         return True
 
     # ---- data movement --------------------------------------------------------------------

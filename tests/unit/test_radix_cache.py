@@ -158,9 +158,10 @@ class Sim:
 
     def evict(self, n: int, swa_only: bool = False) -> int:
         """Evict, checking that no locked page (held by a request, or pinned) was touched."""
-        locked = self.locked_pages()
+        # By page id: eviction may split a node (the unshared tail of a node in use).
+        locked = {t[3] for t in self.locked_pages()}
         freed = self.cache.evict(n, swa_only=swa_only)
-        assert locked <= self.tree_pages(), "a locked page was evicted"
+        assert locked <= {t[3] for t in self.tree_pages()}, "a locked page was evicted"
         self.cache.move_pages()
         self.check()
         return freed
@@ -607,3 +608,122 @@ def test_cache_random_operations(data, windows, page_size, tiers, lag, tmp_path_
     assert sim.memory.pool.num_free == sim.memory.pool.capacity
     assert sim.cache.num_dev == 0
     sim.cache.close()
+
+
+# ---- regressions (issue 10) ---------------------------------------------------------------
+
+
+def test_host_page_not_reused_while_a_queued_load_reads_it():
+    """A hit queues loads from host pages; in the same step (before the flush) an eviction
+    for another request stores a node into the host tier. The loading node's host copies look
+    redundant (its slots have device pages now), but the loads still read them: taking them
+    for the store made the request attend to the other node's K/V (issue 10, bug 1)."""
+    sim = Sim([4, None], page_size=4, num_pages=64, host_pages=10, lag=2)
+    a = list(range(100, 132))
+    sim.finish(run_to_end(sim, a))
+    sim.evict(10**6)  # a -> host: 8 full pages + the SWA tail window (1 page): all 9 host pages
+    assert sim.cache.num_dev == 0 and sim.cache.tiers[0].num_free == 0
+    b = list(range(300, 332))
+    sim.finish(run_to_end(sim, b))  # on device, unlocked
+    # The scheduler's admission of a request hitting a: lock, attach (loads queued), unlock.
+    req = Req("hit-a", a + [7])
+    hit = sim.cache.match(req.all_tokens, req.num_tokens - 1)
+    assert hit.num_tokens == 32
+    sim.cache.lock(hit)
+    sim.cache.attach(req.request_id, hit, req.num_tokens)
+    sim.cache.unlock(hit)
+    req.num_computed_tokens = req.hit = hit.num_tokens
+    assert sim.memory.allocate(req, 1)
+    sim.running[req.request_id] = req
+    # Then the next admission needs room: b leaves the device, to host if it can.
+    sim.cache.evict(10**6)
+    sim.cache.move_pages()
+    sim.land()  # checks every running request's keys: a's, not b's
+    sim.check_visible(req)
+    sim.finish(req)
+    again = sim.admit(b + [1], chunk=100)  # b went to host or was dropped; never corrupted
+    sim.finish(again)
+
+
+def test_store_waits_for_a_load_of_the_same_flush():
+    """PageMover alone: a load from host page h and a later store into h in one flush (h freed
+    and reused meanwhile): the load reads h's old contents, on a lagging stream too."""
+    layout = build_layout([None])
+    kv = KVPool(layout, 8, 2, 1, 3, torch.float32, torch.device("cpu"))
+    host = OffloadPool("host", 4, device_page_shape(kv))
+    mover = host_cache.PageMover(kv, [host])
+    mover.emulate_async(2)
+    kv.kv[:, :, 1] = 1.0
+    kv.kv[:, :, 2] = 2.0
+    mover.store([1], 0, [3])  # h = 3 holds page 1's K/V (1.0)
+    mover.flush()
+    mover.load(0, [3], [4])  # device page 4 <- h
+    mover.store([2], 0, [3])  # h freed and reused by another store (2.0)
+    mover.flush()
+    mover.synchronize()
+    assert torch.all(kv.kv[:, :, 4] == 1.0), "the load read the page the store overwrote"
+    assert torch.all(host.data[3].view(torch.float32) == 2.0)
+
+
+def test_window_one_insert_after_the_path_was_evicted_leaves_no_empty_leaf():
+    """Window 1 and no full layer: a page-aligned hit needs no key, so the request references
+    none of the path's pages and pins nothing. Evicted before the request's first insert,
+    the path was rebuilt from the request's all-NULL table as a leaf with no page in any tier
+    (issue 10, bug 4)."""
+    sim = Sim([1], page_size=4, num_pages=40)
+    tokens = list(range(50, 70))
+    sim.finish(run_to_end(sim, tokens))
+    req = Req("aligned", tokens[:8] + [5, 6, 7, 8, 9, 10])
+    hit = sim.cache.match(req.all_tokens, req.num_tokens - 1)
+    assert hit.num_tokens == 8 and hit.extra_pages == 0
+    sim.cache.lock(hit)
+    sim.cache.attach(req.request_id, hit, req.num_tokens)
+    sim.cache.unlock(hit)
+    assert sim.memory.page_table(req.request_id) == [[NULL_PAGE, NULL_PAGE]]
+    req.num_computed_tokens = req.hit = 8
+    assert sim.memory.allocate(req, 1)
+    sim.running[req.request_id] = req
+    sim.evict(10**6)  # another admission's room: the whole tree goes
+    assert not sim.cache.nodes
+    sim.compute(req, 1)  # its first insert covers [0, 8): nothing live to cache there
+    while req.num_computed_tokens < req.num_tokens:
+        sim.step(req, 1)
+    sim.finish(req)
+    again = sim.admit(req.all_tokens + [9], chunk=100)
+    assert again.hit == 12  # what the request computed itself was cached
+    sim.finish(again)
+
+
+@pytest.mark.parametrize("host_pages", [0, 64])
+@pytest.mark.parametrize("windows", [[None], [6, None]])
+def test_eviction_frees_the_unshared_tail_of_a_node_in_use(windows, host_pages):
+    """A running request that hit a long cached node mid-way shares only its first slots.
+    Eviction needed every page of a node unshared, so the node's tail could not be freed:
+    requests that fit were aborted as "cannot fit" (issue 10, bug 3). The tail is split off
+    and evicted; no more than needed where a reuse point allows (full attention only: with
+    SWA, the pages outside the node's tail window went first, leaving no reuse point inside
+    it, so the whole unshared tail goes); the shared head stays."""
+    sim = Sim(windows, page_size=4, num_pages=80, host_pages=host_pages)
+    tokens = list(range(1000, 1100))
+    sim.finish(run_to_end(sim, tokens))  # one node of 25 slots per group
+    assert len(sim.cache.nodes) == 1 and sim.cache.num_dev == 25 * len(windows)
+    # Shares slots 0..3 (and copies slot 4); it has not filled a page of its own yet, so its
+    # insert has not split the node.
+    user = sim.admit(tokens[:18] + [1], chunk=100)
+    assert user.hit == 18 and len(sim.cache.nodes) == 1
+    free = sim.memory.pool.num_free
+    want = 6 if windows == [None] else 30  # with SWA: 22 pages outside the tail window first
+    assert sim.evict(want) >= want  # before the fix: 0 (full only), 22 (SWA)
+    assert sim.memory.pool.num_free >= free + want
+    kept = max(n.end for n in sim.cache.nodes if n.num_dev)
+    assert kept == (76 if windows == [None] else 16)
+    if windows == [None]:
+        assert sim.evict(10**6) > 0  # the rest of the unshared tail
+    assert max(n.end for n in sim.cache.nodes if n.num_dev) == 16
+    tables = sim.memory.page_table(user.request_id)
+    assert all(sim.memory.pool.refcount(p) > 1 for t in tables for p in t[:4] if p != NULL_PAGE)
+    sim.finish(user)
+    again = sim.admit(tokens[:16] + [4], chunk=100)
+    # With SWA the head's window before 16 (slot 2) was outside every tail window: dropped.
+    assert again.hit == (16 if windows == [None] else 0)
+    sim.finish(again)
