@@ -1,0 +1,357 @@
+"""Randomized engine workloads for the memory manager and the prefix cache (issue 10).
+
+One seed gives one workload: a tiny random Gemma 3 (sliding layers of window 1..33, with or
+without a full layer), a page size of 1..16, a token budget of 1..64, a pool of 0.3x..3x what
+the longest request needs alone, sometimes a host tier (and a disk tier) whose loads land late
+(`PageMover.emulate_async`), prompts sharing prefixes cut near page and window boundaries
+(later turns extend earlier prompts with their outputs), random arrivals and random aborts
+mid-prefill and mid-decode. The engine's core is driven step by step and checked:
+
+  - `check_integrity()` after every step (pool, request tables, tree and tiers agree);
+  - no step raises, whatever the cache state;
+  - every request the engine accepted and we did not abort finishes with the tokens (and,
+    within float tolerance, the logprobs) of a prefix-cache-off engine with a large pool,
+    greedy or seeded sampling alike; none is aborted for want of memory (the context is
+    capped to what one request can hold in the pool at start);
+  - at idle every page is free or owned once by the cache, and evicting everything frees the
+    whole pool.
+
+`run_workload(seed, ...)` raises AssertionError naming the seed; tests/unit/test_stress.py runs
+fixed seeds (those that found bugs) and a sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from swaserve import Engine, SamplingParams
+from swaserve.engine.limits import PromptError
+from swaserve.memory.groups import build_layout
+from swaserve.memory.manager import page_bytes
+
+VOCAB = 48
+EOS = 1
+KV_HEADS = 1
+HEAD_DIM = {"cpu": 8, "cuda": 16}  # Triton's tl.dot needs 16 on the GPU
+MAX_POS = 512
+LOGPROB_TOL = 1e-3  # float32 sums in another order (batching, page size): ~1e-6 apart
+
+# Layer patterns (S: sliding, F: full), with and without a full layer.
+PATTERNS = [("S", "F"), ("S", "S", "F"), ("S",), ("F", "S"), ("S", "F", "S"), ("S", "S")]
+
+
+class Models:
+    """Tiny random Gemma 3 folders, one set of weights per layer pattern, one folder per
+    (pattern, window): the window is a config field, the weights do not depend on it."""
+
+    def __init__(self, root: Path, device: str = "cpu") -> None:
+        self.root = root
+        self.device = device
+        self.head_dim = HEAD_DIM[torch.device(device).type]
+        self._weights: dict[tuple[str, ...], Path] = {}
+        self._refs: dict[Path, Engine] = {}
+
+    def folder(self, pattern: tuple[str, ...], window: int) -> Path:
+        weights = self._weights.get(pattern)
+        if weights is None:
+            from tests.helpers import save_random_hf_model, tiny_gemma3_config
+
+            weights = self.root / ("w-" + "".join(pattern))
+            cfg = tiny_gemma3_config(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                num_key_value_heads=KV_HEADS, head_dim=self.head_dim,
+                query_pre_attn_scalar=self.head_dim,
+                sliding_window=4, max_position_embeddings=MAX_POS, eos_token_id=EOS,
+                layer_types=[
+                    "sliding_attention" if t == "S" else "full_attention" for t in pattern
+                ],
+            )
+            save_random_hf_model(cfg, weights)
+            self._weights[pattern] = weights
+        folder = self.root / f"m-{''.join(pattern)}-w{window}"
+        if not folder.exists():
+            folder.mkdir()
+            for f in weights.iterdir():
+                if f.name != "config.json":
+                    (folder / f.name).symlink_to(f)
+            cfg = json.loads((weights / "config.json").read_text())
+            cfg["sliding_window"] = window
+            (folder / "config.json").write_text(json.dumps(cfg))
+        return folder
+
+    def reference(self, folder: Path) -> Engine:
+        """The prefix-cache-off engine with a large pool: what every output must equal."""
+        eng = self._refs.get(folder)
+        if eng is None:
+            eng = Engine(
+                model=str(folder), kv_cache_gb=0.02, disable_prefix_cache=True, page_size=16,
+                max_num_batched_tokens=256, **_device_args(self.device),
+            )
+            self._refs[folder] = eng
+        return eng
+
+
+@dataclass
+class Workload:
+    seed: int
+    pattern: tuple[str, ...]
+    window: int
+    page_size: int
+    budget: int
+    max_num_seqs: int
+    num_pages: int
+    host_pages: int
+    disk: bool
+    write_through: bool
+    lag: int
+    overlap: bool
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    after: list[int | None]  # prompt i extends prompt after[i] + its output (a later turn)
+    arrive_p: float
+    abort_p: float
+    notes: dict = field(default_factory=dict)
+
+
+def _pages_alone(windows: list[int | None], ps: int, tokens: int) -> int:
+    """Pages one request of `tokens` tokens holds at most, with the engine's watermark."""
+    layout = build_layout(windows)
+    slots = -(-tokens // ps)
+    need = 0
+    for g in layout.groups:
+        need += slots if g.window is None else min(slots, -(-(g.window - 1) // ps) + 1)
+    return need + len(layout.groups)
+
+
+def draw(seed: int) -> Workload:
+    rng = random.Random(seed)
+    pattern = rng.choice(PATTERNS)
+    window = rng.choice([1, 2, 3, rng.randint(1, 33), rng.randint(1, 33)])
+    ps = rng.choice([1, 2, 3, 4, rng.randint(1, 16), rng.randint(1, 16)])
+    max_len = rng.randint(8, 70)
+    bases = [[rng.randrange(2, VOCAB) for _ in range(max_len)] for _ in range(rng.randint(1, 2))]
+
+    def cut_point() -> int:
+        # Near a page or a window boundary (or a multiple of them), sometimes anywhere.
+        anchor = rng.choice([ps, window, ps + window, 2 * window, rng.randint(0, max_len)])
+        k = rng.randint(1, 3) if anchor <= max_len // 3 else 1
+        return max(0, min(max_len, anchor * k + rng.choice([-1, 0, 0, 1])))
+
+    num = rng.randint(3, 9)
+    prompts, params, after = [], [], []
+    for i in range(num):
+        if i and rng.random() < 0.25:
+            after.append(rng.randrange(i))  # filled in once that prompt's output is known
+            prompts.append([rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 8))])
+        else:
+            after.append(None)
+            base = rng.choice(bases)
+            cut = cut_point()
+            tail = [rng.randrange(2, VOCAB) for _ in range(rng.randint(1 if cut else 2, 12))]
+            prompts.append(base[:cut] + tail)
+        seeded = rng.random() < 0.3
+        params.append(
+            SamplingParams(
+                max_tokens=rng.randint(1, 12),
+                temperature=1.0 if seeded else 0.0,
+                seed=rng.randrange(2**31) if seeded else None,
+                ignore_eos=rng.random() < 0.7,
+                logprobs=0,
+            )
+        )
+    windows = [window if t == "S" else None for t in pattern]
+    longest = max(len(p) for p in prompts) + 8 + 12 + 12  # turns grow: a rough upper bound
+    need = _pages_alone(windows, ps, min(longest, MAX_POS))
+    num_pages = max(3, int(need * rng.uniform(0.3, 3.0)))
+    tiers = rng.choice(["none", "none", "host", "host", "host+disk", "write_through"])
+    host_pages = rng.randint(2, 2 * need + 2) if tiers != "none" else 0
+    return Workload(
+        seed=seed, pattern=pattern, window=window, page_size=ps, budget=rng.randint(1, 64),
+        max_num_seqs=rng.randint(1, 4), num_pages=num_pages, host_pages=host_pages,
+        disk=tiers == "host+disk", write_through=tiers == "write_through",
+        lag=rng.choice([0, 1, 2, 3]) if tiers != "none" else 0, overlap=rng.random() < 0.5,
+        prompts=prompts, params=params, after=after, arrive_p=rng.uniform(0.2, 1.0),
+        abort_p=rng.choice([0.0, 0.02, 0.05]),
+    )
+
+
+def _device_args(device: str) -> dict:
+    """float32 everywhere (greedy ties and logprob tolerances stay those of the CPU); on CUDA
+    few graph buckets: an engine is built per workload."""
+    if device == "cpu":
+        return {"device": "cpu"}
+    return {"device": device, "dtype": "float32", "cuda_graph_max_bs": 4}
+
+
+def _gb(pages: int, bytes_per_page: int) -> float:
+    return (pages + 0.5) * bytes_per_page / 2**30
+
+
+def build_engine(w: Workload, folder: Path, tmp: Path, models: Models) -> Engine:
+    windows = [w.window if t == "S" else None for t in w.pattern]
+    bpp = page_bytes(build_layout(windows), w.page_size, KV_HEADS, models.head_dim, 4)
+    device = models.device
+    kw = {}
+    if w.host_pages:
+        kw["host_cache_gb"] = _gb(w.host_pages, bpp)
+        if w.write_through:
+            kw["host_cache_policy"] = "write_through"
+        if w.disk:
+            kw["disk_cache_dir"] = str(tmp)
+            kw["disk_cache_gb"] = _gb(2 * w.host_pages, bpp)
+    eng = Engine(
+        model=str(folder), page_size=w.page_size, kv_cache_gb=_gb(w.num_pages, bpp),
+        max_num_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
+        disable_overlap_schedule=not w.overlap, **_device_args(device), **kw,
+    )
+    assert eng.core.memory.pool.capacity == w.num_pages - 1, "pool sizing"
+    if w.lag and device == "cpu":  # on CUDA the load stream lags for real
+        eng.core.cache.mover.emulate_async(w.lag)
+    return eng
+
+
+def _reference(models: Models, folder: Path, prompt: list[int], params: SamplingParams):
+    out = models.reference(folder).generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    lps = [lp.logprob for lp in out.outputs[0].logprobs or []]
+    return out.token_ids, lps, out.outputs[0].finish_reason
+
+
+def run_workload(seed: int, models: Models, tmp: Path) -> dict:
+    """Run one workload; returns counters. Raises AssertionError naming the seed."""
+    w = draw(seed)
+    folder = models.folder(w.pattern, w.window)
+    try:
+        return _run(w, models, folder, tmp)
+    except Exception as e:
+        raise AssertionError(f"stress seed {seed} ({_describe(w)}): {e!r}") from e
+
+
+def _describe(w: Workload) -> str:
+    return (
+        f"pattern {''.join(w.pattern)} window {w.window} page {w.page_size} budget {w.budget} "
+        f"seqs {w.max_num_seqs} pages {w.num_pages} host {w.host_pages} disk {w.disk} "
+        f"wt {w.write_through} lag {w.lag} overlap {w.overlap} prompts {len(w.prompts)}"
+    )
+
+
+def _run(w: Workload, models: Models, folder: Path, tmp: Path) -> dict:
+    rng = random.Random(w.seed * 7919 + 1)
+    try:
+        eng = build_engine(w, folder, tmp, models)
+    except ValueError as e:  # a pool below one page per group (the 0.3x end): refused at start
+        assert "cannot hold one request" in str(e), e
+        return {"refused": 1}
+    core = eng.core
+    memory = core.memory
+    limit = core.max_model_len
+    want: dict[str, tuple] = {}  # request -> reference (tokens, logprobs, finish)
+    got: dict[str, list[int]] = {}
+    got_lps: dict[str, list[float]] = {}
+    finish: dict[str, str] = {}
+    aborted: set[str] = set()
+    rejected = 0
+    prompts = [list(p) for p in w.prompts]
+    todo = list(range(len(prompts)))
+    live: list[str] = []
+    steps = 0
+
+    def submit(i: int) -> None:
+        nonlocal rejected
+        prompt = prompts[i]
+        if w.after[i] is not None:  # a later turn: the earlier prompt + its reference output
+            j = w.after[i]
+            prompt = prompts[j] + list(want_of[j][0]) + prompt
+            prompts[i] = prompt
+        params = w.params[i]
+        rid = f"s{w.seed}-{i}"
+        if len(prompt) + params.max_tokens > min(limit, MAX_POS):
+            try:
+                core.add_request(rid, prompt, params)
+            except PromptError:
+                rejected += 1
+                want_of[i] = ([], [], None)
+                return
+            raise AssertionError(f"{rid}: {len(prompt)} + {params.max_tokens} > {limit} accepted")
+        want_of[i] = _reference(models, folder, prompt, params)
+        want[rid] = want_of[i]
+        core.add_request(rid, prompt, params)
+        got[rid], got_lps[rid] = [], []
+        live.append(rid)
+
+    want_of: dict[int, tuple] = {}
+    while todo or core.has_unfinished():
+        while todo and (not live or rng.random() < w.arrive_p):
+            i = todo[0]
+            if w.after[i] is not None and w.after[i] not in want_of:
+                break  # its earlier turn is not submitted yet
+            todo.pop(0)
+            submit(i)
+            if rng.random() < 0.5:
+                break
+        if live and rng.random() < w.abort_p:
+            rid = rng.choice(live)
+            core.abort_requests([rid])
+            live.remove(rid)
+            aborted.add(rid)
+        outs = core.step()
+        steps += 1
+        memory.check_integrity()
+        for out in outs:
+            if out.request_id in aborted:
+                continue
+            got[out.request_id] += out.new_token_ids
+            got_lps[out.request_id] += [lp.logprob for lp in out.new_logprobs or []]
+            if out.finish_reason is not None:
+                finish[out.request_id] = out.finish_reason
+                live.remove(out.request_id)
+        assert steps < 20000, "no progress"
+    if core.has_in_flight():
+        core.step()
+    # Idle: nothing held by a request; every used page owned once, by the cache.
+    cache = core.cache
+    cache.wait_loads()
+    cache.move_pages()
+    memory.check_integrity()
+    stats = memory.stats()
+    assert stats["pages_held_by_requests"] == 0 and stats["num_requests"] == 0, stats
+    pool = memory.pool
+    used = [p for p in range(1, pool.num_pages) if pool.refcount(p)]
+    assert all(pool.refcount(p) == 1 for p in used), "a page held twice at idle"
+    assert len(used) == cache.num_dev, f"{len(used)} pages used, {cache.num_dev} in the cache"
+    for rid, (tokens, lps, reason) in want.items():
+        if rid in aborted:
+            continue
+        assert finish.get(rid) in ("stop", "length"), f"{rid} finished {finish.get(rid)!r}"
+        assert got[rid] == tokens, f"{rid}: tokens {got[rid]} != reference {tokens}"
+        assert finish[rid] == reason, f"{rid}: {finish[rid]} != reference {reason}"
+        worst = max((abs(a - b) for a, b in zip(got_lps[rid], lps)), default=0.0)
+        assert worst < LOGPROB_TOL and len(got_lps[rid]) == len(lps), f"{rid}: logprobs {worst}"
+    result = {
+        "steps": steps,
+        "requests": len(want),
+        "aborted": len(aborted),
+        "rejected": rejected,
+        "preemptions": core.scheduler.num_preemptions,
+        **{k: v for k, v in cache.stats().items() if isinstance(v, int)},
+    }
+    cache.evict(10**9)
+    memory.check_integrity()
+    assert pool.num_free == pool.capacity, "evicting everything left pages used"
+    cache.close()
+    return result
+
+
+def sweep_size(default: int) -> int:
+    """Workloads of the sweep: SWASERVE_STRESS_WORKLOADS overrides (longer local runs)."""
+    return int(os.environ.get("SWASERVE_STRESS_WORKLOADS", default))
+
+
+def seeds(start: int, count: int) -> list[int]:
+    return list(range(start, start + count))
+
