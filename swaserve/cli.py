@@ -1,4 +1,5 @@
-"""`swaserve generate | serve | bench ...`: engine flags are EngineConfig fields (DESIGN §11)."""
+"""`swaserve generate | serve | bench ...`: engine flags are EngineConfig fields
+(docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,35 @@ import json
 import os
 import sys
 import typing
+from typing import Any
 
 from swaserve.bench.serve import add_args as add_bench_serve_args
-from swaserve.config import EngineConfig
+from swaserve.config import FLAGS, GROUPS, EngineConfig
 from swaserve.sampling.params import SamplingParams
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> dict[str, Any]:
+    """One flag per EngineConfig field, in argument groups (config.GROUPS), each with its
+    FLAGS help line, default and choices. Returns the groups by name (`serve` adds one)."""
     hints = typing.get_type_hints(EngineConfig)
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
     for f in dataclasses.fields(EngineConfig):
+        info = FLAGS[f.name]
+        g = groups[info.group]
         flag = "--" + f.name.replace("_", "-")
         if hints[f.name] is bool:
-            p.add_argument(flag, action="store_true", default=f.default)
+            g.add_argument(flag, action="store_true", default=f.default,
+                           help=f"{info.help} (default: {info.default or 'off'})")
             continue
         hint = str(hints[f.name])
         kind = int if "int" in hint else float if "float" in hint else str
-        p.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
+        shown = info.default if info.default is not None else f.default
+        g.add_argument(
+            flag, type=kind, default=f.default, choices=info.choices,
+            metavar=None if info.choices else f.name.upper(),
+            help=f"{info.help} (default: {shown})".replace("%", "%%"),
+        )
+    return groups
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -96,14 +110,39 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
+    """`serve`'s own flags, in a "server" group after the engine's."""
+    g = groups["server"] = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 for every interface (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    g.add_argument(
+        "--api-key", default=os.environ.get("SWASERVE_API_KEY"), metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $SWASERVE_API_KEY, "
+        "else none)",
+    )
+    g.add_argument(
+        "--served-model-name", default=None, metavar="NAME",
+        help="the model's name in /v1/models and responses; requests may use it or --model's "
+        "(default: --model's)",
+    )
+    g.add_argument("--max-n", type=int, default=16,
+                   help="most samples (n) per request (default: %(default)s)")
+    g.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical"],
+                   help="log level of the server and the engine core (default: %(default)s)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from swaserve.server.launch import ServerArgs, serve
 
     if args.max_n < 1:
         raise ValueError("--max-n must be >= 1")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty")
     server_args = ServerArgs(
         host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
-        log_level=args.log_level,
+        log_level=args.log_level, served_model_name=args.served_model_name,
     )
     return serve(EngineConfig(**engine_kwargs(args)), server_args)
 
@@ -120,26 +159,25 @@ def main(argv: list[str] | None = None) -> int:
 
     g = sub.add_parser("generate", help="generate text offline")
     add_engine_args(g)
-    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gg = g.add_argument_group("generation")
+    gg.add_argument("--prompt", action="append",
+                    help="prompt text, repeatable (default: one prompt per line of stdin)")
+    gg.add_argument("--max-tokens", type=int, default=64,
+                    help="most tokens generated per prompt (default: %(default)s)")
+    gg.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature; 0: greedy (default: %(default)s)")
+    gg.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling mass (default: %(default)s)")
+    gg.add_argument("--top-k", type=int, default=0,
+                    help="sample from the k likeliest tokens; 0: all (default: %(default)s)")
+    gg.add_argument("--sampling-seed", type=int, default=None,
+                    help="seed of this run's sampling (default: none, --seed's stream)")
+    gg.add_argument("--chat", action="store_true",
+                    help="wrap each prompt in the chat template (default: off)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument(
-        "--api-key", default=os.environ.get("SWASERVE_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1/* (default: $SWASERVE_API_KEY)",
-    )
-    s.add_argument("--max-n", type=int, default=16, help="cap on n (samples per request)")
-    s.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error", "critical"])
+    add_server_args(add_engine_args(s), s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -152,10 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     m.set_defaults(func=cmd_bench_memory)
     o = bsub.add_parser("offline", help="batch-1 decode time and offline throughput")
     add_engine_args(o)
-    o.add_argument("--num-prompts", type=int, default=1000)
-    o.add_argument("--input-len-range", type=int, nargs=2, default=[100, 1024])
-    o.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024])
-    o.add_argument("--bench-seed", type=int, default=0)
+    ob = o.add_argument_group("benchmark")
+    ob.add_argument("--num-prompts", type=int, default=1000,
+                    help="random prompts in the throughput run (default: %(default)s)")
+    ob.add_argument("--input-len-range", type=int, nargs=2, default=[100, 1024],
+                    metavar=("MIN", "MAX"), help="prompt tokens, uniform (default: 100 1024)")
+    ob.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024],
+                    metavar=("MIN", "MAX"), help="output tokens, uniform (default: 100 1024)")
+    ob.add_argument("--bench-seed", type=int, default=0,
+                    help="seed of the random prompts (default: %(default)s)")
     o.set_defaults(func=cmd_bench_offline)
     bs = bsub.add_parser("serve", help="load an OpenAI-compatible server, report latencies")
     add_bench_serve_args(bs)

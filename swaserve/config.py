@@ -1,9 +1,15 @@
-"""EngineConfig: one dataclass for every knob, from CLI flags or `Engine(**kwargs)` (DESIGN §11)."""
+"""EngineConfig: one dataclass for every knob, from CLI flags or `Engine(**kwargs)`
+(docs/serving.md).
+
+`FLAGS` beside it is the rest of each knob's single source: its `--help` line, argument group
+and choices (`swaserve.cli.add_engine_args` builds the flags from both; a field without an
+entry fails tests/unit/test_cli_help.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +47,14 @@ class EngineConfig:
     seed: int = 0
     max_queue: int = 1024
     max_logprobs: int = 20
+    # Speculative decoding (docs/architecture.md §8): off unless an algorithm is named.
+    speculative_algorithm: str | None = None  # ngram | dflash
+    speculative_draft_model: str | None = None  # dflash: the drafter's folder
+    # Drafts per verify step (vLLM's num_speculative_tokens); default: ngram 4, dflash
+    # block_size - 1 of its checkpoint.
+    speculative_num_draft_tokens: int | None = None
+    speculative_ngram_min: int = 1  # ngram: shortest suffix to look up in the request's tokens
+    speculative_ngram_max: int = 4  # ngram: longest suffix, tried first
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -53,23 +67,40 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", "must be >= 1")
         if self.page_size < 1:
             raise bad("page_size", "must be >= 1")
-        if self.load_format not in ("auto", "dummy"):
-            raise bad("load_format", "must be auto or dummy")
-        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
-            raise bad("kv_cache_dtype", "must be auto or fp8_e4m3")
-        if self.attention_backend not in (None, "torch", "triton"):
-            raise bad("attention_backend", "must be torch or triton")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise bad("dtype", "must be auto, float32, bfloat16 or float16")
+        for name, info in FLAGS.items():
+            value = getattr(self, name)
+            none_ok = value is None and _DEFAULTS[name] is None  # None: the flag not given
+            if info.choices and value not in info.choices and not none_ok:
+                raise bad(name, "must be " + _one_of(info.choices))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise bad("kv_cache_gb", "must be > 0")
         if self.disk_cache_gb is not None and self.disk_cache_gb <= 0:
             raise bad("disk_cache_gb", "must be > 0")
+        if self.disk_cache_gb is not None and not self.disk_cache_dir:
+            raise bad("disk_cache_gb", "needs --disk-cache-dir (disk_cache_dir)")
+        if self.host_cache_gb < 0:
+            raise bad("host_cache_gb", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
+        self._check_speculative(bad)
         self._check_device()
+
+    def _check_speculative(self, bad) -> None:
+        algo = self.speculative_algorithm
+        if algo not in (None, "ngram", "dflash"):
+            raise bad("speculative_algorithm", "must be ngram or dflash")
+        if algo != "dflash" and self.speculative_draft_model:
+            raise bad("speculative_draft_model", "is for --speculative-algorithm dflash")
+        k = self.speculative_num_draft_tokens
+        if k is not None and (k < 1 or algo is None):
+            why = "must be >= 1" if k < 1 else "needs --speculative-algorithm"
+            raise bad("speculative_num_draft_tokens", why)
+        if self.speculative_ngram_min < 1:
+            raise bad("speculative_ngram_min", "must be >= 1")
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise bad("speculative_ngram_max", "must be >= --speculative-ngram-min")
 
     def _check_device(self) -> None:
         """--device names a device this torch can use: a ValueError now, not a traceback
@@ -114,3 +145,132 @@ class EngineConfig:
         if self.attention_backend:
             return self.attention_backend
         return "triton" if self.torch_device().type == "cuda" else "torch"
+
+
+# ---- --help: one line per flag, its group and choices -------------------------------------
+
+# Argument groups, in --help order (`serve` adds "server" after them).
+GROUPS = ("model", "memory", "scheduling", "GPU", "cache", "speculative decoding")
+
+
+class FlagInfo(NamedTuple):
+    group: str  # one of GROUPS
+    help: str  # one line, no trailing period
+    choices: tuple[str, ...] | None = None  # checked by EngineConfig (None also ok if default)
+    default: str | None = None  # how --help shows the default, when the value says too little
+
+
+FLAGS: dict[str, FlagInfo] = {
+    # model
+    "model": FlagInfo(
+        "model",
+        "a built-in alias (smollm2-135m-instruct, gemma-3-270m), a "
+        ".gguf file, or a Hugging Face folder with config.json",
+    ),
+    "tokenizer": FlagInfo("model", "tokenizer folder, when not the model's", default="the model's"),
+    "dtype": FlagInfo(
+        "model",
+        "weight and activation dtype",
+        ("auto", "float32", "bfloat16", "float16"),
+        default="auto: bfloat16 on CUDA, else float32",
+    ),
+    "load_format": FlagInfo(
+        "model",
+        "auto: the checkpoint's weights; dummy: random weights in "
+        "the real shapes, no checkpoint needed",
+        ("auto", "dummy"),
+    ),
+    "max_model_len": FlagInfo(
+        "model",
+        "context length in tokens (prompt + output)",
+        default="the model's, capped to what the KV pool holds",
+    ),
+    "chat_template": FlagInfo(
+        "model", "Jinja chat template: a file, or the template text", default="the tokenizer's"
+    ),
+    "seed": FlagInfo("model", "sampling seed of requests that give none, so runs repeat"),
+    "max_logprobs": FlagInfo("model", "most logprobs / prompt_logprobs a request may ask for"),
+    # memory
+    "page_size": FlagInfo("memory", "tokens per KV page"),
+    "kv_cache_gb": FlagInfo(
+        "memory",
+        "KV pool size in GiB",
+        default="CUDA: what --gpu-memory-utilization leaves; CPU: 2",
+    ),
+    "gpu_memory_utilization": FlagInfo(
+        "memory",
+        "fraction of GPU memory for weights, activations and the KV pool, unless --kv-cache-gb",
+    ),
+    "kv_cache_dtype": FlagInfo(
+        "memory",
+        "KV element type: auto (the model's dtype) or fp8_e4m3, half the bytes",
+        ("auto", "fp8_e4m3"),
+    ),
+    "kv_cache_scale": FlagInfo(
+        "memory", "fp8_e4m3 KV: one scale for every layer", default="calibrated at start"
+    ),
+    "disable_hybrid_kv_cache": FlagInfo(
+        "memory",
+        "full-length KV for every layer, sliding-window ones too: the baseline, same outputs",
+    ),
+    # scheduling
+    "max_num_seqs": FlagInfo("scheduling", "most sequences running at once"),
+    "max_num_batched_tokens": FlagInfo(
+        "scheduling", "token budget of one step (prefill chunks and decodes"
+    ),
+    "max_queue": FlagInfo(
+        "scheduling", "server: most sequences waiting beyond --max-num-seqs; more get a 503"
+    ),
+    "disable_overlap_schedule": FlagInfo(
+        "scheduling", "read each step's tokens back before scheduling the next: no CPU/GPU overlap"
+    ),
+    # GPU
+    "device": FlagInfo("GPU", "auto, cpu, cuda or cuda:N", default="auto: cuda when available"),
+    "attention_backend": FlagInfo(
+        "GPU", "attention kernels", ("torch", "triton"), default="triton on CUDA, torch elsewhere"
+    ),
+    "cuda_graph_max_bs": FlagInfo("GPU", "largest decode batch run as a CUDA graph; 0: eager"),
+    "disable_fused_ops": FlagInfo(
+        "GPU", "eager torch RMSNorm, rotary and activations instead of the Triton kernels"
+    ),
+    # cache
+    "disable_prefix_cache": FlagInfo("cache", "no prefix cache: no KV reuse across requests"),
+    "host_cache_gb": FlagInfo("cache", "host-memory tier of the prefix cache in GiB; 0: none"),
+    "host_cache_policy": FlagInfo(
+        "cache",
+        "write_back: pages go to the host tier when evicted; write_through: once cached",
+        ("write_back", "write_through"),
+    ),
+    "disk_cache_dir": FlagInfo(
+        "cache", "folder of a disk tier of the prefix cache", default="no disk tier"
+    ),
+    "disk_cache_gb": FlagInfo(
+        "cache", "disk tier size in GiB", default="min(16, half the folder's free space)"
+    ),
+    # speculative decoding
+    "speculative_algorithm": FlagInfo(
+        "speculative decoding",
+        "ngram: drafts from the request's own tokens; dflash: a draft model",
+        ("ngram", "dflash"),
+        default="off",
+    ),
+    "speculative_draft_model": FlagInfo(
+        "speculative decoding", "dflash: the draft model's folder", default="none"
+    ),
+    "speculative_num_draft_tokens": FlagInfo(
+        "speculative decoding",
+        "draft tokens per verify step",
+        default="ngram: 4; dflash: its block_size - 1",
+    ),
+    "speculative_ngram_min": FlagInfo(
+        "speculative decoding", "ngram: shortest suffix of the request's tokens to look up"
+    ),
+    "speculative_ngram_max": FlagInfo("speculative decoding", "ngram: longest suffix, tried first"),
+}
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    """`a, b or c`."""
+    return choices[0] if len(choices) == 1 else ", ".join(choices[:-1]) + " or " + choices[-1]

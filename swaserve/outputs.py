@@ -1,4 +1,4 @@
-"""What the engine returns to users (names from DESIGN §11) and what the core emits per step."""
+"""What the engine returns to users (vLLM's names) and what the core emits per step."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[Logprob | None] | None = None  # first position has none
     finished: bool = False
+    # Speculative decoding counters (swaserve/speculative/metrics.py) of all samples, once
+    # finished; None with speculation off.
+    spec_decoding: dict | None = None
 
     @property
     def text(self) -> str:
@@ -60,3 +63,4 @@ class EngineCoreOutput:
     new_logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None  # sent once, with the first token
     num_cached_tokens: int = 0
+    spec: dict | None = None  # speculative decoding counters, with the finishing output

@@ -1,4 +1,4 @@
-"""The attention seam (DESIGN §5): `prepare` once per step, `forward` once per layer.
+"""The attention seam (docs/architecture.md §7): `prepare` once per step, `forward` once per layer.
 
 One contract covers prefill, decode and mixed batches: request i has `query_lens[i]` new tokens
 at positions `[context_lens[i], context_lens[i] + query_lens[i])` and attends, causally and

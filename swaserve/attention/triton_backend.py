@@ -1,4 +1,5 @@
-"""Triton attention over the paged pool: the GPU default (DESIGN §5), a drop-in for TorchBackend.
+"""Triton attention over the paged pool: the GPU default, a drop-in for TorchBackend
+(docs/architecture.md §7).
 
 `prepare` builds the step's metadata on the host (block tables padded with the NULL page,
 flat slot mappings, ragged offsets) and copies each tensor to the device once; `forward`

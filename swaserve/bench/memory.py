@@ -1,6 +1,6 @@
 """Memory benchmark: how many requests of a given context fit in a KV budget, window-aware
-layout vs every layer full (DESIGN §2). No forward pass: requests are driven through the real
-MemoryManager exactly as the scheduler would (allocate a chunk, advance, retire).
+layout vs every layer full (docs/architecture.md §3). No forward pass: requests are driven
+through the real MemoryManager exactly as the scheduler would (allocate a chunk, advance, retire).
 
     chunk loop per request:  can_admit -> allocate -> num_computed_tokens += chunk -> retire
     a request that reaches `context` is held (as if decoding); the first request whose chunk

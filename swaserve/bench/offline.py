@@ -47,11 +47,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 1024**3) -> float:
     return reps * 2 * nbytes / (time.perf_counter() - t)
 
 
-def generate_timed(engine: Any, prompts: list[list[int]], max_tokens: list[int]) -> float:
+def generate_timed(
+    engine: Any, prompts: list[list[int]], max_tokens: list[int], progress: bool = False
+) -> float:
+    """Seconds to generate (greedy, ignore_eos); `progress` shows a bar on stderr."""
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
     _sync(engine.core.device)
     t = time.perf_counter()
-    engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=progress)
     _sync(engine.core.device)
     return time.perf_counter() - t
 
@@ -103,7 +106,9 @@ def run_offline_bench(
     input_range: tuple[int, int] = (100, 1024),
     output_range: tuple[int, int] = (100, 1024),
     seed: int = 0,
+    progress: bool = True,
 ) -> dict:
+    """The benchmark; `progress` shows a bar on stderr over the workload's requests."""
     vocab = engine.core.hf_config.vocab_size
     dev = engine.core.device
     prompt = [[(1000 + i) % vocab for i in range(128)]]
@@ -112,7 +117,7 @@ def run_offline_bench(
     t65 = generate_timed(engine, prompt, [65])
     per_token = (t65 - t1) / 64
     prompts, outs = random_workload(vocab, num_prompts, input_range, output_range, seed)
-    elapsed = generate_timed(engine, prompts, outs)
+    elapsed = generate_timed(engine, prompts, outs, progress)
     result = {
         "num_prompts": num_prompts,
         "batch1_decode_ms_per_token": per_token * 1e3,

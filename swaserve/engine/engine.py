@@ -57,7 +57,8 @@ class Engine:
         self.folder = resolve_folder(self.config.model)
         if self.config.load_format != "dummy" and not any(self.folder.glob("*.safetensors")):
             raise ValueError(
-                f"{self.config.model} has no weights ({self.folder}); use load_format='dummy'"
+                f"{self.config.model} has no weights (no *.safetensors in {self.folder}); "
+                "for random weights in its shapes use --load-format dummy"
             )
         self.core = EngineCore(self.config, self.folder)
         self.tokenizer = load_tokenizer(self.folder, self.config.tokenizer)

@@ -1,4 +1,5 @@
-"""Attention groups: how layers share one page id (DESIGN §2, vLLM's hybrid allocator).
+"""Attention groups: how layers share one page id (docs/architecture.md §3, vLLM's hybrid
+allocator).
 
 Layers are partitioned into groups of one attention kind, `full` or `swa(window)`. Every group
 has the same number of layer slots, `slots_per_page` (the last group of a kind is padded), so

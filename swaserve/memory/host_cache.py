@@ -1,4 +1,5 @@
-"""Offload tiers of the prefix cache (DESIGN §4): host memory, then optionally a file on disk.
+"""Offload tiers of the prefix cache (docs/architecture.md §6): host memory, then optionally a
+file on disk.
 
 An `OffloadPool` holds pages in the device pool's layout, page-major and as raw bytes, so one
 page is one contiguous block whatever the KV dtype (FP8 included):

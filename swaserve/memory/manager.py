@@ -1,4 +1,5 @@
-"""MemoryManager: per-request page tables over one unified pool, window retirement (DESIGN §2).
+"""MemoryManager: per-request page tables over one unified pool, window retirement
+(docs/architecture.md §3).
 
 For each request and attention group a page table lists page ids; entry i covers token
 positions [i * page_size, (i + 1) * page_size). Every group of a request covers the same
@@ -23,7 +24,7 @@ before lo are dead. Since allocated >= c, extension slots are never below dead_s
 Full groups never retire (first_live stays 0).
 
 Reference counting: a request's table holds one reference per non-NULL entry. Other holders
-(the prefix cache, §3) take theirs with `pool.incref` and report them through
+(the prefix cache, docs/architecture.md §5) take theirs with `pool.incref` and report them through
 `register_external_holder`, so `check_integrity` can match refcounts to holders. A retired or
 freed page returns to the free list only when its last holder lets go.
 
@@ -238,7 +239,7 @@ class MemoryManager:
         return self.pool.decref(dropped)
 
     def attach_prefix(self, request_id: str, tables: list[list[int]], num_tokens: int) -> None:
-        """Seam for prefix-cache hits (§3): a fresh request takes its own reference to pages
+        """Seam for prefix-cache hits: a fresh request takes its own reference to pages
         another holder has, covering tokens [0, num_tokens).
 
         Each table has ceil(num_tokens / page_size) entries: NULL_PAGE for a prefix of
@@ -348,7 +349,8 @@ class MemoryManager:
         }
 
     def check_integrity(self) -> None:
-        """Assert every invariant of §2; O(pages + table entries). For tests."""
+        """Assert every invariant (docs/architecture.md §11); O(pages + table entries). For
+        tests."""
         pool, ps = self.pool, self.page_size
         free = pool.free_pages()
         free_set = set(free)

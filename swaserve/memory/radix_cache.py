@@ -1,4 +1,4 @@
-"""SWA-aware radix prefix cache over token ids, at page granularity (DESIGN §3, §4).
+"""SWA-aware radix prefix cache over token ids, at page granularity (docs/architecture.md §5, §6).
 
 Tree. A node covers whole pages of tokens [start, end), start = its parent's end, both
 multiples of page_size (ps); the root covers nothing. Siblings differ in their first page, so
@@ -18,7 +18,7 @@ using a page holds its own (its page table, through MemoryManager.attach_prefix)
     a tree page is locked  <=>  pool.refcount(page) > 1, or its node is pinned.
 
 A running request's table holds full pages back to the root and SWA pages for one window only
-(the manager retires the rest), which is the lock rule of §3, kept by reference counts with
+(the manager retires the rest), which is the lock rule of the design, kept by reference counts with
 no bookkeeping of its own; eviction only drops pages of refcount 1, so it always frees them.
 Pins are per node and short-lived: the scheduler pins a hit while it evicts to make room for
 it, and a copy-on-write source stays pinned until the step's copies have run.

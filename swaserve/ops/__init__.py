@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the shared model blocks, as a removable layer (DESIGN §1).
+"""Fused Triton kernels for the shared model blocks, as a removable layer (docs/architecture.md §7).
 
 `enable_fused_ops(model)` switches a built model's RMSNorm, Rotary, GatedMLP and Attention
 modules to the kernels here (rmsnorm.py, rotary.py, activation.py) and to merged q/k/v and

@@ -1,4 +1,5 @@
-"""Logprobs as users see them: the raw log_softmax of the model's logits (DESIGN §7).
+"""Logprobs as users see them: the raw log_softmax of the model's logits (docs/serving.md,
+Logprobs).
 
 Raw means before temperature, penalties and top-k/top-p/min-p, as vLLM reports them. Used
 by the sampler for sampled tokens and by the model runner for prompt logprobs. Everything

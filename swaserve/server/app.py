@@ -1,4 +1,4 @@
-"""The HTTP frontend: OpenAI-compatible routes (DESIGN §8, §11).
+"""The HTTP frontend: OpenAI-compatible routes (docs/serving.md).
 
 A request's path: validate (pydantic, strict) -> SamplingParams -> tokenize (chat template for
 chat; on the one tokenizer thread, off the event loop) -> check the context ->
@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,7 @@ from swaserve.sampling.params import SamplingParams
 from swaserve.server import protocol as P
 from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestFailed
 from swaserve.server.metrics import CONTENT_TYPE, Metrics
+from swaserve.speculative.metrics import SpecStats
 
 log = logging.getLogger(__name__)
 _WIRE_INT_MIN, _WIRE_INT_MAX = -(2**63), 2**64 - 1  # what msgpack and torch seeds accept
@@ -57,12 +58,36 @@ class ServerState:
     metrics: Metrics
     created: int
     context_by_kv_pool: bool = False  # max_model_len is what the KV pool holds (error text)
+    # --model as given; requests may name it or model_name (--served-model-name).
+    model_path: str | None = None
     # Tokenizing and chat templates run here, not on the event loop: a long prompt would stall
     # every other request's streaming. One thread: requests tokenized in arrival order, and
     # the tokenizer never used from two threads at once.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="swaserve-tokenize")
     )
+
+    def serves(self, name: str) -> bool:
+        """`name` is this server's model: the served name, or --model's value."""
+        return name == self.model_name or name == self.model_path
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "swaserve",
+            "root": self.model_path or self.model_name,
+            "max_model_len": self.max_model_len,
+        }
+
+    def unknown_model(self, name: str) -> APIError:
+        return APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+            "model",
+            code="model_not_found",
+        )
 
 
 async def _off_loop(state: ServerState, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -162,18 +187,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "swaserve",
-                    "max_model_len": state.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [state.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if not state.serves(model_id):
+            raise state.unknown_model(model_id)
+        return state.model_card()
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, raw: Request) -> Response:
@@ -204,7 +224,10 @@ def _document_errors(app: FastAPI) -> None:
                 for op in ops.values():
                     responses = op.setdefault("responses", {})
                     responses.pop("422", None)
-                    if path.startswith("/v1/") and path != "/v1/models":
+                    if path.startswith("/v1/models"):
+                        codes = ("401", "404") if "{" in path else ("401",)
+                        responses.update({k: {"description": errors[k]} for k in codes})
+                    elif path.startswith("/v1/"):
                         responses.update({k: {"description": v} for k, v in errors.items()})
             app.openapi_schema = schema
         return app.openapi_schema
@@ -220,13 +243,8 @@ def _params(
 ) -> SamplingParams:
     if state.client.dead is not None:
         raise APIError(503, f"engine core is not running: {state.client.dead}")
-    if body.model is not None and body.model != state.model_name:
-        raise APIError(
-            404,
-            f"The model '{body.model}' does not exist; this server serves '{state.model_name}'",
-            "model",
-            code="model_not_found",
-        )
+    if body.model is not None and not state.serves(body.model):
+        raise state.unknown_model(body.model)
     if body.stream_options is not None and not body.stream:
         raise bad("stream_options is only allowed with stream=true", "stream_options")
     try:
@@ -485,6 +503,9 @@ class _CompletionView:
             "choices": choices,
             "usage": self._usage(completion_tokens, cached),
         }
+        spec = _merged_spec(finals[rid].spec_decoding for rid in self.rids)
+        if spec is not None:
+            out["spec_decoding"] = spec
         if self.token_ids and len(self.prompts) == 1:
             out["prompt_token_ids"] = self.prompts[0][1]
         return out
@@ -494,6 +515,7 @@ class _CompletionView:
         offsets: dict[int, int] = {}
         plps: dict[str, Any] = {}
         completion_tokens, cached = 0, {}
+        specs: dict[str, dict] = {}
         head = {
             "id": self.id,
             "object": "text_completion",
@@ -506,6 +528,8 @@ class _CompletionView:
                 yield _sse(ev)
                 break
             rid, ro = ev
+            if ro.spec_decoding is not None:
+                specs[rid] = ro.spec_decoding
             i = self.index[rid]
             if ro.prompt_logprobs is not None:
                 plps[rid] = ro.prompt_logprobs
@@ -525,14 +549,10 @@ class _CompletionView:
             if choices:
                 yield _sse({**head, "choices": choices, **usage_field})
         else:
-            if self.body.include_usage:
-                yield _sse(
-                    {
-                        **head,
-                        "choices": [],
-                        "usage": self._usage(completion_tokens, sum(cached.values())),
-                    }
-                )
+            usage = self._usage(completion_tokens, sum(cached.values()))
+            final = _final_chunk(head, self.body.include_usage, usage, specs.values())
+            if final is not None:
+                yield final
         yield "data: [DONE]\n\n"
 
 
@@ -626,6 +646,8 @@ class _ChatView:
             "choices": choices,
             "usage": P.usage(len(self.prompt_ids), completion, ro.num_cached_tokens),
         }
+        if ro.spec_decoding is not None:
+            out["spec_decoding"] = ro.spec_decoding
         if self.token_ids:
             out["prompt_token_ids"] = self.prompt_ids
         return out
@@ -655,11 +677,14 @@ class _ChatView:
             first["prompt_token_ids"] = self.prompt_ids
         yield _sse(first)
         completion_tokens, cached = 0, 0
+        spec: list[dict] = []
         async for ev in events:
             if isinstance(ev, dict):
                 yield _sse(ev)
                 break
             _, ro = ev
+            if ro.spec_decoding is not None:
+                spec = [ro.spec_decoding]
             cached = max(cached, ro.num_cached_tokens)
             choices = []
             for co in ro.outputs:
@@ -682,12 +707,33 @@ class _ChatView:
             if choices:
                 yield _sse({**head, "choices": choices, **usage_field})
         else:
-            if self.body.include_usage:
-                yield _sse(
-                    {
-                        **head,
-                        "choices": [],
-                        "usage": P.usage(len(self.prompt_ids), completion_tokens, cached),
-                    }
-                )
+            usage = P.usage(len(self.prompt_ids), completion_tokens, cached)
+            final = _final_chunk(head, self.body.include_usage, usage, spec)
+            if final is not None:
+                yield final
         yield "data: [DONE]\n\n"
+
+
+def _merged_spec(specs: Iterable[dict | None]) -> dict | None:
+    """Speculative decoding counters over several requests (None: speculation off)."""
+    given = [d for d in specs if d is not None]
+    if not given:
+        return None
+    total = SpecStats()
+    for d in given:
+        total.merge(SpecStats.from_dict(d))
+    return total.to_dict()
+
+
+def _final_chunk(
+    head: dict, include_usage: bool, usage: dict, specs: Iterable[dict]
+) -> str | None:
+    """The stream's last chunk before [DONE], with no choices: usage when asked for, and the
+    speculative decoding counters when speculation is on."""
+    chunk: dict[str, Any] = {**head, "choices": []}
+    if include_usage:
+        chunk["usage"] = usage
+    spec = _merged_spec(specs)
+    if spec is not None:
+        chunk["spec_decoding"] = spec
+    return _sse(chunk) if len(chunk) > len(head) + 1 else None

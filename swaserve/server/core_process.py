@@ -5,7 +5,8 @@ The loop (message kinds in `swaserve.server.ipc`):
     while True:
         read every waiting message (block only when there is no work)
         step once if any request is unfinished
-        send the step's outputs with fresh stats (also after adds/aborts while idle)
+        send the step's outputs with fresh stats and the queue times of the requests it
+        scheduled for the first time (also after adds/aborts while idle)
 
 It never waits on HTTP: outputs go out through a PUSH socket without a high-water mark. It
 exits when told to (`shutdown`), when its parent process is gone (checked every iteration,
@@ -22,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,13 +46,15 @@ from swaserve.server.ipc import (
 
 if TYPE_CHECKING:
     from swaserve.engine.core import EngineCore
+    from swaserve.engine.request import Request
 
 log = logging.getLogger("swaserve.core")
 IDLE_POLL_MS = 1000  # while idle, wake up this often to notice a vanished parent
 
 
 def core_stats(core: EngineCore) -> dict:
-    """What the frontend's /metrics reports: queue lengths and page usage (DESIGN §11)."""
+    """What the frontend's /metrics reports: queue lengths, page usage and running totals
+    (docs/serving.md, Metrics)."""
     mem = core.memory_stats()
     keep = ("index", "kind", "window", "pages_used")
     mem["groups"] = [{k: g[k] for k in keep} for g in mem["groups"]]
@@ -60,6 +64,23 @@ def core_stats(core: EngineCore) -> dict:
         "num_preemptions": getattr(core.scheduler, "num_preemptions", 0),
         "memory": mem,
     }
+
+
+def first_scheduled(queued: dict[str, Request], step_start: float) -> list[float]:
+    """Queue times (arrival in the core -> the step that first scheduled it) of the requests
+    in `queued` that a step starting at `step_start` scheduled; they leave `queued`. Running,
+    or finished with a token (scheduled and done within the step), means scheduled; finished
+    without one means rejected (never scheduled, no queue time)."""
+    from swaserve.engine.request import RequestStatus
+
+    times = []
+    for cid, req in list(queued.items()):
+        if req.status is RequestStatus.WAITING:
+            continue
+        del queued[cid]
+        if req.status is RequestStatus.RUNNING or req.output_token_ids:
+            times.append(max(0.0, step_start - req.arrival_time))
+    return times
 
 
 class CoreLoop:
@@ -75,6 +96,7 @@ class CoreLoop:
         self.out.connect(out_addr)
         self.parent = os.getppid()
         self.running = True
+        self.queued: dict[str, Request] = {}  # added, not scheduled yet (for queue times)
 
     def send(self, msg: list) -> None:
         self.out.send(encode(msg))
@@ -102,9 +124,12 @@ class CoreLoop:
                 log.warning("the server process is gone; engine core exits")
                 self.out.close(linger=0)  # nobody will read what is still queued
                 break
+            start = time.monotonic()
             outputs = core.step() if core.has_unfinished() else []
-            if outputs or changed:
-                self.send([OUTPUTS, [output_to_wire(o) for o in outputs], core_stats(core)])
+            queue_times = first_scheduled(self.queued, start) if self.queued else []
+            if outputs or changed or queue_times:
+                wire = [output_to_wire(o) for o in outputs]
+                self.send([OUTPUTS, wire, core_stats(core), queue_times])
 
     def read_inputs(self, timeout_ms: int) -> bool:
         """Handles every waiting message; waits up to timeout_ms for the first. True if any."""
@@ -120,6 +145,8 @@ class CoreLoop:
                 self.add(msg[1])
             elif kind == ABORT:
                 self.core.abort_requests(msg[1])
+                for cid in msg[1]:
+                    self.queued.pop(cid, None)
             elif kind == SHUTDOWN:
                 self.running = False
                 return True
@@ -138,6 +165,8 @@ class CoreLoop:
             for cid, ids, p in parsed:
                 self.core.add_request(cid, ids, p)
                 added.append(cid)
+            for cid in added:
+                self.queued[cid] = self.core.requests[cid]
         except (ValueError, TypeError) as e:
             self.core.abort_requests(added)
             self.send([REJECT, [c[0] for c in children], str(e)])

@@ -11,7 +11,10 @@ Every message is a msgpack list whose first item is its kind:
     ["abort", [core_id, ...]]
     ["shutdown"]
     ["ready", {"max_model_len", "context_by_kv_pool", "vocab_size", "pid", "stats"}]
-    ["outputs", [wire(EngineCoreOutput), ...], stats]     stats: see core_process.core_stats
+    ["outputs", [wire(EngineCoreOutput), ...], stats, queue_times]
+                         stats: see core_process.core_stats; queue_times: seconds from arrival
+                         in the core to first scheduled, of each core request first
+                         scheduled since the last message
     ["reject", [core_id, ...], message]                   an add the core refused (ValueError)
     ["dead", message]                                     the core's last words (a traceback,
                                                           or one line for a bad flag at start)
@@ -76,11 +79,12 @@ def output_to_wire(o: EngineCoreOutput) -> list:
         None if o.new_logprobs is None else [_lp_wire(lp) for lp in o.new_logprobs],
         None if o.prompt_logprobs is None else [_lp_wire(lp) for lp in o.prompt_logprobs],
         o.num_cached_tokens,
+        o.spec,  # a dict of ints, a float and a list: plain msgpack
     ]
 
 
 def output_from_wire(w: list) -> EngineCoreOutput:
-    rid, ids, finish, stop, lps, plps, cached = w
+    rid, ids, finish, stop, lps, plps, cached, spec = w
     return EngineCoreOutput(
         request_id=rid,
         new_token_ids=ids,
@@ -89,6 +93,7 @@ def output_from_wire(w: list) -> EngineCoreOutput:
         new_logprobs=None if lps is None else [_lp_from(x) for x in lps],
         prompt_logprobs=None if plps is None else [_lp_from(x) for x in plps],
         num_cached_tokens=cached,
+        spec=spec,
     )
 
 
@@ -113,12 +118,14 @@ class RequestFailed:
 
 @dataclass
 class _Timing:
-    """Per core request, for TTFT / ITL metrics."""
+    """Per core request, for the latency metrics."""
 
     arrival: float
+    first: float = 0.0  # when its first token arrived
     last: float = 0.0
     num_tokens: int = 0
     num_prompt_tokens: int = 0
+    done: bool = False  # finished (its latency observed) or stopped by a stop string
 
 
 class CoreClient:
@@ -263,6 +270,8 @@ class CoreClient:
             self.stats = msg[2]
             if self.metrics is not None:
                 self.metrics.update_core_stats(self.stats)
+                for seconds in msg[3] if len(msg) > 3 else []:
+                    self.metrics.queue_time.observe(seconds)
         elif kind == REJECT:
             rids = {self._core_to_req[c] for c in msg[1] if c in self._core_to_req}
             for rid in rids:
@@ -289,6 +298,9 @@ class CoreClient:
         results, to_abort = self.processor.process(outs)
         if to_abort:
             self._send.send(encode([ABORT, to_abort]))
+            now = time.monotonic()
+            for cid in to_abort:  # finished by a stop string
+                self._observe_finished(cid, now)
         for ro in results:
             q = self._queues.get(ro.request_id)
             if q is None:
@@ -306,6 +318,8 @@ class CoreClient:
         if self.metrics is not None:
             reason = ro.outputs[0].finish_reason if ro.outputs else None
             self.metrics.request_success.labels(finished_reason=reason or "abort").inc()
+            if ro.spec_decoding is not None:
+                self.metrics.observe_spec(ro.spec_decoding)
 
     def _observe(self, outs: list[EngineCoreOutput]) -> None:
         m = self.metrics
@@ -315,16 +329,29 @@ class CoreClient:
         for o in outs:
             t = self._timing.get(o.request_id)
             k = len(o.new_token_ids)
-            if t is None or k == 0:
+            if t is None or t.done:
                 continue
-            m.generation_tokens.inc(k)
-            if t.num_tokens == 0:
-                m.ttft.observe(now - t.arrival)
-                m.prefix_queries.inc(t.num_prompt_tokens)
-                m.prefix_hits.inc(o.num_cached_tokens)
-            else:
-                per_token = (now - t.last) / k
-                for _ in range(k):
-                    m.itl.observe(per_token)
-            t.last = now
-            t.num_tokens += k
+            if k:
+                m.generation_tokens.inc(k)
+                if t.num_tokens == 0:
+                    t.first = now
+                    m.ttft.observe(now - t.arrival)
+                    m.prefix_queries.inc(t.num_prompt_tokens)
+                    m.prefix_hits.inc(o.num_cached_tokens)
+                else:
+                    per_token = (now - t.last) / k
+                    for _ in range(k):
+                        m.itl.observe(per_token)
+                t.last = now
+                t.num_tokens += k
+            if o.finish_reason is not None:
+                self._observe_finished(o.request_id, now, o.finish_reason == "abort")
+
+    def _observe_finished(self, core_id: str, now: float, aborted: bool = False) -> None:
+        """E2E latency and TPOT of a sequence that completed (not one aborted)."""
+        t = self._timing.get(core_id)
+        if self.metrics is None or t is None or t.done:
+            return
+        t.done = True
+        if not aborted and t.num_tokens:
+            self.metrics.observe_finished(now - t.arrival, t.first - t.arrival, t.num_tokens)

@@ -46,6 +46,7 @@ class ServerArgs:
     api_key: str | None = None
     max_n: int = 16
     log_level: str = "info"
+    served_model_name: str | None = None  # None: the --model value
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -186,7 +187,8 @@ async def _main(
         state = ServerState(
             client=client,
             tokenizer=tokenizer,
-            model_name=config.model,
+            model_name=args.served_model_name or config.model,
+            model_path=config.model,
             chat_template=chat_template,
             max_model_len=int(info["max_model_len"]),
             context_by_kv_pool=bool(info.get("context_by_kv_pool", False)),
@@ -208,7 +210,7 @@ async def _main(
         )
         server.on_started = lambda: log.info(
             "serving %s on http://%s:%d (engine core pid %d)",
-            config.model,
+            state.model_name,
             args.host,
             args.port,
             proc.pid,

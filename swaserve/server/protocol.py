@@ -10,7 +10,8 @@ ignored). Accepted beyond the OpenAI fields, with vLLM's names: `top_k`, `min_p`
 
 Logprobs follow each endpoint's OpenAI format: completions give parallel lists (`tokens`,
 `token_logprobs`, `top_logprobs`, `text_offset`), chat gives `content: [{token, logprob,
-bytes, top_logprobs}]`. Values are raw log-softmax (DESIGN §7), -inf clamped to -9999.
+bytes, top_logprobs}]`. Values are raw log-softmax (docs/serving.md, Logprobs), -inf clamped
+to -9999.
 """
 
 from __future__ import annotations

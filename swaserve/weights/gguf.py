@@ -230,8 +230,13 @@ def _write_folder(path: Path, out: Path) -> None:
 
     from swaserve.weights.gguf_tokenizer import build_tokenizer
 
-    reader = gguf.GGUFReader(path)
-    meta = read_metadata(reader)
+    try:
+        reader = gguf.GGUFReader(path)
+        meta = read_metadata(reader)
+    except Exception as e:  # the parser fails with whatever a bad byte leads it to
+        raise ValueError(
+            f"not a readable GGUF file, truncated or corrupt? ({type(e).__name__}: {e})"
+        ) from e
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(ARCHS)})")
@@ -295,7 +300,10 @@ def convert_gguf(
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
         try:
-            _write_folder(path, tmp)
+            try:
+                _write_folder(path, tmp)
+            except ValueError as e:  # a file we cannot convert: the message names it
+                raise ValueError(f"{path}: {e}") from e
             os.chmod(tmp, 0o755)  # mkdtemp made it private
             if final.exists():  # incomplete (no config.json), e.g. made by hand
                 shutil.rmtree(final)

@@ -62,7 +62,9 @@ def _safetensor_files(folder: Path) -> list[Path]:
         return [folder / n for n in names]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors in {folder}")
+        raise ValueError(
+            f"no *.safetensors in {folder}; for random weights use --load-format dummy"
+        )
     return files
 
 

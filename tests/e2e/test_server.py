@@ -378,7 +378,7 @@ def test_disconnect_frees_pages(server):
                             if x.startswith(f"swaserve:{name} ")
                         )
                         for name in ("kv_pages_held_by_requests", "num_requests_running",
-                                     "num_requests_waiting", "num_preemptions")
+                                     "num_requests_waiting", "num_preemptions_total")
                     }
                     if seen["kv_pages_held_by_requests"] >= 10 or time.monotonic() > deadline:
                         break
@@ -906,3 +906,121 @@ def test_max_model_len_above_the_model_fails_in_one_line(tiny_model_folder, tmp_
     log = srv.log()
     assert "--max-model-len 5000 is above the model's maximum context of 4096 tokens" in log
     assert "Traceback" not in log, log
+
+
+# ---- issue 15: /v1/models/{id}, --served-model-name, /metrics as Prometheus expects ---------
+
+
+def test_model_retrieve_200_and_404(server, client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and extra(card, "max_model_len") == 2048
+    r = httpx.get(server.base_url + "/models/no-such-model", headers=server.headers())
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err == {"message": err["message"], "type": "invalid_request_error", "param": "model",
+                   "code": "model_not_found"}
+    assert "'no-such-model' does not exist" in err["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    assert httpx.get(server.base_url + f"/models/{MODEL}").status_code == 401  # the key rule
+
+
+def _scrape(server) -> tuple[str, dict[str, float], dict[str, str]]:
+    """(text, {series: value}, {family: type}) of one /metrics scrape."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    samples, types = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split()
+            types[family] = kind
+        elif line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            samples[series] = float(value)
+    return text, samples, types
+
+
+def _monotonic(series: str, types: dict[str, str]) -> bool:
+    """A counter's sample, or a histogram's bucket, count or sum."""
+    name = series.split("{")[0]
+    if types.get(name) == "counter":
+        return True
+    base = re.sub(r"_(bucket|count|sum)$", "", name)
+    return base != name and types.get(base) == "histogram"
+
+
+def test_metrics_counters_grow_and_latency_histograms(server, client):
+    text, before, types = _scrape(server)
+    assert "_created" not in text
+    counters = {f for f, kind in types.items() if kind == "counter"}
+    assert all(f.endswith("_total") for f in counters), counters
+    for name in ("num_preemptions_total", "prefix_cache_evictions_total",
+                 "prefix_cache_host_loads_total", "prompt_tokens_total"):
+        assert f"swaserve:{name}" in counters, name
+    for name in ("e2e_request_latency_seconds", "time_per_output_token_seconds",
+                 "request_queue_time_seconds"):
+        assert types.get(f"swaserve:{name}") == "histogram", name
+    assert types.get("swaserve:kv_cache_usage_perc") == "gauge"
+
+    for i in range(2):
+        client.completions.create(model=MODEL, prompt=f"Metrics {i}: one, two,", max_tokens=4,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    wait_idle(server)
+    _, after, _ = _scrape(server)
+    for series, value in before.items():
+        if _monotonic(series, types):
+            assert after[series] >= value, (series, value, after[series])
+    grew = {n: after[f"swaserve:{n}"] - before[f"swaserve:{n}"] for n in (
+        "e2e_request_latency_seconds_count", "time_per_output_token_seconds_count",
+        "request_queue_time_seconds_count", "generation_tokens_total")}
+    assert grew["e2e_request_latency_seconds_count"] >= 2, grew
+    assert grew["time_per_output_token_seconds_count"] >= 2, grew
+    assert grew["request_queue_time_seconds_count"] >= 2, grew
+    assert grew["generation_tokens_total"] >= 8, grew
+    usage, held = after["swaserve:kv_cache_usage_perc"], after["swaserve:kv_pages_held_by_requests"]
+    assert 0 <= usage <= 1 and usage == pytest.approx(held / after["swaserve:kv_pages_total"])
+    # The startup log and the metrics count the pool's pages the same way (no NULL page).
+    logged = re.search(r"KV pool: (\d+) pages of", server.log())
+    assert logged and int(logged.group(1)) == after["swaserve:kv_pages_total"]
+
+
+def test_metrics_counters_follow_core_totals_and_queue_times():
+    """Core totals feed counters by their growth; the core reports a queue time for each
+    request once, when first scheduled (running, or done within the step), none if rejected."""
+    from types import SimpleNamespace
+
+    from swaserve.engine.request import RequestStatus
+    from swaserve.server.core_process import first_scheduled
+    from swaserve.server.metrics import Metrics
+
+    m = Metrics()
+    for preempted, evicted in ((0, 0), (2, 5), (3, 5)):
+        m.update_core_stats({"num_preemptions": preempted,
+                             "memory": {"evictions": evicted, "pages_total": 8,
+                                        "pages_held_by_requests": 2}})
+    text = m.render().decode()
+    assert "swaserve:num_preemptions_total 3.0" in text
+    assert "swaserve:prefix_cache_evictions_total 5.0" in text
+    assert "swaserve:kv_cache_usage_perc 0.25" in text and "_created" not in text
+
+    def req(status: RequestStatus, outputs: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(status=status, output_token_ids=outputs, arrival_time=10.0)
+
+    queued = {"wait": req(RequestStatus.WAITING, []), "run": req(RequestStatus.RUNNING, []),
+              "done": req(RequestStatus.FINISHED, [7]), "rejected": req(RequestStatus.FINISHED, [])}
+    assert first_scheduled(queued, 10.5) == [0.5, 0.5]
+    assert list(queued) == ["wait"]
+
+
+def test_served_model_name(tiny_server_factory, tiny_model_folder):
+    srv = tiny_server_factory("--served-model-name", "tiny-test")
+    models = httpx.get(srv.base_url + "/models").json()["data"]
+    assert [(m["id"], m["root"]) for m in models] == [("tiny-test", str(tiny_model_folder))]
+    assert httpx.get(srv.base_url + "/models/tiny-test").json()["id"] == "tiny-test"
+    assert httpx.get(srv.base_url + f"/models/{tiny_model_folder}").json()["id"] == "tiny-test"
+    assert httpx.get(srv.base_url + "/models/smollm2-135m-instruct").status_code == 404
+    for name in ("tiny-test", str(tiny_model_folder)):  # the served name, or --model's
+        r = post(srv, "/completions", {"model": name, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "tiny-test", r.text
+    r = post(srv, "/completions", {"model": "other", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "serving tiny-test on http://" in srv.log()

@@ -18,7 +18,7 @@ def _parse(argv: list[str]) -> EngineConfig:
 
 def test_bool_flags_are_switches_and_numbers_parse() -> None:
     cfg = _parse(["--disable-prefix-cache", "--disable-overlap-schedule", "--max-num-seqs", "8",
-                  "--disk-cache-gb", "1.5", "--kv-cache-gb", "2"])
+                  "--disk-cache-dir", "/tmp", "--disk-cache-gb", "1.5", "--kv-cache-gb", "2"])
     assert cfg.disable_prefix_cache is True and cfg.disable_overlap_schedule is True
     assert cfg.disable_hybrid_kv_cache is False
     assert cfg.max_num_seqs == 8 and cfg.disk_cache_gb == 1.5 and cfg.kv_cache_gb == 2.0
@@ -38,3 +38,23 @@ def test_config_errors_name_the_flag() -> None:
         n = torch.cuda.device_count()
         with pytest.raises(ValueError, match=rf"^--device cuda:{n}: this machine has {n}"):
             EngineConfig(device=f"cuda:{n}")
+
+
+def test_cache_flag_errors_name_the_flags_before_loading() -> None:
+    with pytest.raises(ValueError, match=r"^invalid --disk-cache-gb 1.0 .*needs --disk-cache-dir"):
+        EngineConfig(disk_cache_gb=1.0)
+    with pytest.raises(ValueError, match=r"^invalid --host-cache-policy 'x' .*must be write_back"):
+        EngineConfig(host_cache_policy="x")
+    with pytest.raises(ValueError, match=r"^invalid --host-cache-gb -1"):
+        EngineConfig(host_cache_gb=-1)
+
+
+def test_no_weights_error_names_the_load_format_flag(tmp_path) -> None:
+    """A folder with a config but no safetensors: the error says `--load-format dummy`."""
+    import json
+
+    from swaserve import Engine
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"no \*\.safetensors in .*use --load-format dummy$"):
+        Engine(model=str(tmp_path), device="cpu")

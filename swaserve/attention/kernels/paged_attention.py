@@ -1,9 +1,10 @@
 """Triton kernels over the paged KV pool: ragged paged attention, the K/V store, page copies.
 
 One attention kernel covers prefill chunks over a cached prefix, decode and both mixed in one
-launch (DESIGN §5). Request i owns the query rows `[query_start_loc[i], query_start_loc[i+1])`
-at positions `[ctx_i, seq_lens[i])` with `ctx_i = seq_lens[i] - q_len_i`, and attends causally,
-within the layer's window, to keys `[0, seq_lens[i])` read through its block table.
+launch (docs/architecture.md §7). Request i owns the query rows
+`[query_start_loc[i], query_start_loc[i+1])` at positions `[ctx_i, seq_lens[i])` with
+`ctx_i = seq_lens[i] - q_len_i`, and attends causally, within the layer's window, to keys
+`[0, seq_lens[i])` read through its block table.
 
 Work decomposition (one program = one query block x one KV head [x one key split]):
 
