@@ -24,6 +24,7 @@ from swaserve.engine.limits import (
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import PLACEHOLDER, Request, RequestStatus
 from swaserve.engine.scheduler import ScheduledBatch, Scheduler
+from swaserve.engine.speculation import Speculation, Verified, record
 from swaserve.memory.groups import build_layout
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager, page_bytes
@@ -33,6 +34,7 @@ from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
 from swaserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from swaserve.speculative.metrics import SpecStats
 from swaserve.weights.loader import build_model, load_hf_config
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class _Launched:
     # row asked for logprobs (topk_* None when no row asked for alternatives)
     host_lps: tuple[torch.Tensor | None, ...] | None
     event: Any  # torch.cuda.Event recorded after those copies; None on CPU
+    verified: Verified | None = None  # speculation: what to commit, already on the host
 
 
 def _needs_history(p: SamplingParams) -> bool:
@@ -117,14 +120,20 @@ class EngineCore:
             self._capture_graphs(backend)
         # --seed makes unseeded sampling reproducible run to run (seeded requests use their own)
         self.sampler = Sampler(eos_token_ids=sorted(self.eos_token_ids), seed=config.seed)
+        # Speculative decoding (off by default); it needs the overlap schedule off (see
+        # engine/speculation.py).
+        self.spec = None
+        if config.speculative_algorithm:
+            self.spec = Speculation(config, self.sampler, self.max_model_len)
+        self.overlap = not config.disable_overlap_schedule and self.spec is None
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None
         self._num_history_requests = 0  # live requests whose sampling reads token values
         self._pinned: list[torch.Tensor | None] = [None, None]  # alternating host buffers
         self._pinned_turn = 0
-        log.info(
+        log.info(  # pages_total as memory_stats() counts it: without the NULL page
             "KV pool: %d pages of %d tokens (%.2f GB), groups %s",
-            num_pages,
+            self.memory.pool.capacity,
             config.page_size,
             num_pages * bytes_per_page / 1e9,
             [(g.kind, g.window, len(g.layers)) for g in self.layout.groups],
@@ -258,6 +267,8 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if self._inflight is not None and self._num_history_requests:
             outputs += self._resolve()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if self.cache is not None:
             self.cache.move_pages()  # host loads/stores, then copy-on-write: before any forward
@@ -265,7 +276,7 @@ class EngineCore:
         launched = self._launch(batch) if batch else None
         outputs += self._resolve()
         self._inflight = launched
-        if launched is not None and self.config.disable_overlap_schedule:
+        if launched is not None and not self.overlap:
             outputs += self._resolve()
         if batch:
             self.scheduler.retire()
@@ -289,6 +300,9 @@ class EngineCore:
             req.num_computed_tokens += n
         if not samplers:
             return _Launched(samplers, [], None, None, None, None)
+        if self.spec is not None:
+            verified = self.spec.sample(logits, samplers)
+            return _Launched(samplers, [], None, None, None, None, verified)
         sampled = self.sampler(logits, [self._row(r) for r in samplers])
         slots = []
         for req in samplers:
@@ -345,6 +359,13 @@ class EngineCore:
     def _resolve(self) -> list[EngineCoreOutput]:
         """Read the in-flight step's tokens back and finish its requests' bookkeeping."""
         launched, self._inflight = self._inflight, None
+        if launched is not None and launched.verified is not None:
+            v = launched.verified
+            return [
+                self._commit(req, v.token_ids[i], v.num_drafts[i], v.logprobs[i] if v.logprobs
+                             else None)
+                for i, req in enumerate(launched.samplers)
+            ]
         if launched is None or launched.sampled is None:
             return []
         if launched.event is not None:
@@ -364,13 +385,14 @@ class EngineCore:
         return self._inflight is not None
 
     def _sampling_rows(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
-        """Requests whose new tokens reach the end of their known tokens sample one more."""
+        """Requests whose new tokens reach the end of their known tokens (and drafts) sample
+        one more: one row, or with K drafts the K + 1 verify rows [last, d_1..d_K]."""
         reqs, rows, offset = [], [], 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
             offset += n
-            if req.num_computed_tokens + n == req.num_tokens:
+            if req.num_computed_tokens + n == req.num_tokens_with_drafts:
                 reqs.append(req)
-                rows.append(offset - 1)
+                rows.extend(range(offset - len(req.draft_token_ids) - 1, offset))
         return reqs, rows
 
     @staticmethod
@@ -408,17 +430,57 @@ class EngineCore:
             req.prompt_logprobs_sent = True
             out.prompt_logprobs = req.prompt_logprobs
         n_out = slot + 1
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in req.eos_token_ids:
-                out.finish_reason = "stop"
-            elif token in p.stop_token_ids:
-                out.finish_reason, out.stop_reason = "stop", token
-        if out.finish_reason is None and (
-            n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len
-        ):
-            out.finish_reason = "length"
+        out.finish_reason, out.stop_reason = self._stop_rule(req, token, n_out)
         if out.finish_reason is not None:
             del req.output_token_ids[n_out:]  # placeholders of a step still in flight
+            self._finish(req)
+        return out
+
+    def _stop_rule(self, req: Request, token: int, n_out: int) -> tuple[str | None, int | None]:
+        """(finish_reason, stop_reason) once `token` is output number n_out."""
+        p = req.params
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _commit(
+        self, req: Request, tokens: list[int], num_drafts: int, lps: list | None
+    ) -> EngineCoreOutput:
+        """Speculation: output the verified tokens up to the first that finishes the request.
+        `_launch` advanced num_computed_tokens past every verify row; only the rows of tokens
+        now committed before the last one hold live K/V (the rest is overwritten later)."""
+        record(req, num_drafts, len(tokens) - 1)
+        base = req.num_computed_tokens - num_drafts - 1
+        req.draft_token_ids = []
+        p = req.params
+        out = EngineCoreOutput(req.request_id, [], num_cached_tokens=req.num_cached_tokens)
+        if p.logprobs is not None and lps is not None:
+            out.new_logprobs = []
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            out.new_token_ids.append(token)
+            if out.new_logprobs is not None:
+                chosen, rank, top_ids, top_lps = lps[i]
+                top = list(zip(top_ids, top_lps))[: p.logprobs]
+                out.new_logprobs.append(Logprob(token, chosen, int(rank), top))
+            out.finish_reason, out.stop_reason = self._stop_rule(
+                req, token, len(req.output_token_ids)
+            )
+            if out.finish_reason is not None:
+                break
+        req.num_computed_tokens = base + len(out.new_token_ids)
+        if not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            out.prompt_logprobs = req.prompt_logprobs
+        # The counters so far, with every output: a stop string found by the output
+        # processor ends the request without another output from here.
+        out.spec = (req.spec or SpecStats()).to_dict()
+        if out.finish_reason is not None:
             self._finish(req)
         return out
 
@@ -431,7 +493,10 @@ class EngineCore:
 
     def _aborted(self, req: Request) -> EngineCoreOutput:
         self._forget(req)
-        return EngineCoreOutput(req.request_id, [], finish_reason="abort")
+        out = EngineCoreOutput(req.request_id, [], finish_reason="abort")
+        if self.spec is not None:
+            out.spec = (req.spec or SpecStats()).to_dict()
+        return out
 
     def memory_stats(self) -> dict:
         stats = self.memory.stats()

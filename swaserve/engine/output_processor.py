@@ -1,4 +1,4 @@
-"""Output processor: core outputs in, user-facing RequestOutputs out (DESIGN §7).
+"""Output processor: core outputs in, user-facing RequestOutputs out (docs/architecture.md §1).
 
 Used in-process by the offline `Engine` and by the server frontend process. Per step it
 takes the core's `EngineCoreOutput`s (one per core request), detokenizes incrementally,
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from swaserve.speculative.metrics import SpecStats
 
 if TYPE_CHECKING:
     from swaserve.sampling.params import SamplingParams
@@ -72,6 +73,7 @@ class _Child:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stop_floor: int = 0  # stop strings may not start before this char (min_tokens)
+    spec: dict | None = None  # the latest speculative decoding counters from the core
     # Stream mode: how much of text / token_ids / logprobs has been sent, and the finish.
     sent_text: int = 0
     sent_tokens: int = 0
@@ -258,6 +260,8 @@ class OutputProcessor:
                 if state.stop and past_min and len(child.text) > old_len:
                     hit = self._check_stop(state, child, old_len)
 
+        if out.spec is not None:
+            child.spec = out.spec
         child.token_ids.extend(new_ids[:kept])
         if child.logprobs is not None and out.new_logprobs:
             child.logprobs.extend(out.new_logprobs[:kept])
@@ -305,6 +309,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             finished=finished,
+            spec_decoding=_merged_spec(state.children) if finished else None,
         )
 
     @staticmethod
@@ -345,3 +350,14 @@ class OutputProcessor:
         child.sent_text, child.sent_tokens = len(text), len(child.token_ids)
         child.sent_finish = child.finished
         return co
+
+
+def _merged_spec(children: list[_Child]) -> dict | None:
+    """The speculative decoding counters of all samples (None: speculation off)."""
+    stats = [c.spec for c in children if c.spec is not None]
+    if not stats:
+        return None
+    total = SpecStats()
+    for d in stats:
+        total.merge(SpecStats.from_dict(d))
+    return total.to_dict()

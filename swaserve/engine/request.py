@@ -1,4 +1,4 @@
-"""CPU-side request state for the scheduler: token counts, not phases (DESIGN §1).
+"""CPU-side request state for the scheduler: token counts, not phases (docs/architecture.md §2).
 
 `num_computed_tokens` tokens have K/V in the pool; `num_tokens` are known (prompt + outputs).
 A step computes some of the difference; when it reaches `num_tokens` the request samples one
@@ -15,6 +15,7 @@ import torch
 
 from swaserve.outputs import Logprob
 from swaserve.sampling.params import SamplingParams
+from swaserve.speculative.metrics import SpecStats
 
 # An output token sampled by a step still in flight: its value is only on the device yet
 # (see the overlap schedule in swaserve/engine/core.py). Never a valid token id.
@@ -43,6 +44,10 @@ class Request:
     num_preemptions: int = 0
     prompt_logprobs: list[Logprob | None] | None = None  # built chunk by chunk
     prompt_logprobs_sent: bool = False
+    # Speculative decoding: drafts to verify in the next step, after the known tokens (their
+    # K/V, once computed, is dead unless accepted), and the request's counters.
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec: SpecStats | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -52,8 +57,16 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        return self.num_tokens + len(self.draft_token_ids)
+
     def tokens(self, start: int, end: int) -> list[int]:
-        """Known token ids at positions [start, end)."""
+        """Token ids at positions [start, end): known tokens, then drafts past num_tokens."""
+        n = self.num_tokens
+        if end > n:
+            drafts = self.draft_token_ids[max(0, start - n) : end - n]
+            return (self.tokens(start, n) if start < n else []) + drafts
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

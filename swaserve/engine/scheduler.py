@@ -88,6 +88,7 @@ class Scheduler:
         self._finish(req)
 
     def _finish(self, req: Request) -> Request:
+        req.draft_token_ids.clear()
         self._release(req)
         req.status = RequestStatus.FINISHED
         return req
@@ -112,13 +113,19 @@ class Scheduler:
             if self._loading(req):
                 held = True
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_drafts - req.num_computed_tokens, budget)
+            # A verify chunk [last, drafts] cut short verifies fewer drafts, which changes a
+            # seeded request's draws: such a request waits for a step with room instead (its
+            # draft count is capped below the token budget, so it never waits forever).
+            fixed = bool(req.draft_token_ids) and _seeded_random(req)
+            if fixed and n < req.num_tokens_with_drafts - req.num_computed_tokens:
+                continue
             while not self.memory.allocate(req, n):
                 if self.cache is not None and self.cache.evict(self.memory.shortfall(req, n)):
                     continue
-                k = self._largest_fit(req, n)
+                k = 0 if fixed else self._largest_fit(req, n)
                 if k:
-                    n = k  # a shorter prefill chunk fits: progress without preempting anyone
+                    n = k  # a shorter chunk fits: progress without preempting anyone
                     continue
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1:
@@ -131,6 +138,8 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
+                # Drafts past the chunk are not verified (the chunk always holds `last`).
+                del req.draft_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens) :]
                 batch.add(req, n)
                 budget -= n
         if batch.preempted:
@@ -270,6 +279,7 @@ class Scheduler:
         """Recompute later: drop every page; the request keeps its tokens and goes first."""
         self.running.remove(req)
         self._release(req)
+        req.draft_token_ids.clear()
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -287,3 +297,8 @@ class Scheduler:
         self.memory.retire_out_of_window(self.running)
         if self.cache is not None:
             self.cache.tidy()
+
+
+def _seeded_random(req: Request) -> bool:
+    """The request samples from its own generator: its tokens must not depend on the batch."""
+    return req.params.seed is not None and not req.params.greedy

@@ -15,7 +15,8 @@ Processing order (vLLM's):
 Per-row parameters become [B] device tensors in one place (`SamplingTensors.from_rows`);
 every step after that is vectorised over rows. The only per-row loop on the device is the
 seeded noise: a row with its own generator draws its [V] noise from that generator alone,
-so the same seed and params give the same tokens whatever else is in the batch (DESIGN §7).
+so the same seed and params give the same tokens whatever else is in the batch
+(docs/architecture.md §7).
 
 Invariant: nothing here reads a device tensor back to the host (.item(), .tolist(), .cpu(),
 boolean indexing); every branch is decided from the Python-side params. The caller makes
@@ -355,6 +356,25 @@ class Sampler:
                 logits, token_ids, t.max_num_logprobs
             )
         return out
+
+    def target_logits(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        """The distribution each row samples from, as float32 logits (for verifying drafts):
+        penalties and min_tokens masking, then temperature, top-k/top-p and min-p for random
+        rows (greedy rows carry neutral values there, so their argmax is the greedy token).
+        Masked tokens are -inf."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        t = SamplingTensors.from_rows(rows, logits.shape[1], logits.device, self.eos_token_ids)
+        x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        apply_penalties(x, t)
+        if not t.all_greedy:
+            x.div_(t.temperature.unsqueeze(1))
+            apply_top_k_top_p(x, t.top_k, t.top_p, t.max_top_k)
+            apply_min_p(x, t.min_p)
+        return x
+
+    def default_generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator of rows without a seed (None: torch's global RNG)."""
+        return self._default_generator(device)
 
     def _exponential_race(self, logits: Tensor, t: SamplingTensors) -> Tensor:
         """argmax(probs / q) with q ~ Exp(1): an exact sample from probs, one noise draw per row.

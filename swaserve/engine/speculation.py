@@ -1,0 +1,141 @@
+"""The engine's side of speculative decoding (docs/architecture.md §8): drafts before a step,
+the verify rows' distributions and acceptance after its forward. EngineCore commits what comes
+back.
+
+A request in decode (one known token not computed: `last`) gets up to K drafts; the
+scheduler then gives it the chunk [last, d_1..d_K] at positions c..c+K, like any chunk. Every
+sampling request of a step goes through `sample`: a request with K_r drafts has K_r + 1
+rows, one without (a prefill that completes its prompt, or no draft found) has one, and
+`verify_drafts` returns the tokens to commit (accepted drafts, then one of the target's own).
+
+Row i of request r is sampled as if d_1..d_i were already its outputs (penalties and
+min_tokens see them), so a verified token is drawn exactly as plain decoding would draw it.
+
+Draft length. K_r = min(K, the step's token budget - 1, max_tokens - outputs - 1, context
+left - 1): a function of the request alone, so a seeded request's draws never depend on
+the batch (the scheduler runs its whole chunk or waits).
+
+The overlap schedule is off with speculation: the next step's chunk depends on how many drafts
+this one accepted, known only once its tokens are back on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from swaserve.engine.request import Request
+from swaserve.sampling.logprobs import compute_logprobs
+from swaserve.sampling.sampler import Sampler, SamplingRow
+from swaserve.speculative.metrics import SpecStats
+from swaserve.speculative.ngram import NgramDrafter
+from swaserve.speculative.verify import verify_drafts
+
+NGRAM_DEFAULT_DRAFTS = 4
+
+
+@dataclass
+class Verified:
+    """One step's verify results on the host, per sampling request."""
+
+    token_ids: list[list[int]]  # accepted drafts, then the target's token
+    num_drafts: list[int]  # drafts verified
+    logprobs: list[list[tuple[float, int, list[int], list[float]]]] | None  # per committed row
+
+
+class Speculation:
+    def __init__(self, config, sampler: Sampler, max_model_len: int) -> None:
+        algo = config.speculative_algorithm
+        if algo == "ngram":
+            self.drafter = NgramDrafter(config.speculative_ngram_min, config.speculative_ngram_max)
+            self.k = config.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFTS
+        else:
+            raise ValueError(
+                f"--speculative-algorithm {algo}: not available in this build (ngram is)"
+            )
+        # a verify chunk is at most the token budget
+        self.k = min(self.k, config.max_num_batched_tokens - 1)
+        self.sampler = sampler
+        self.max_model_len = max_model_len
+
+    # ---- before the step ------------------------------------------------------------------
+
+    def propose(self, running: list[Request]) -> None:
+        """Drafts for every running request in decode (the rest get none)."""
+        for req in running:
+            req.draft_token_ids = []
+            if req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids:
+                continue
+            k = min(
+                self.k,
+                req.max_tokens - len(req.output_token_ids) - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
+            if k > 0:
+                tokens = req.prompt_token_ids + req.output_token_ids
+                req.draft_token_ids = self.drafter.propose(tokens, k)
+
+    # ---- after the forward ----------------------------------------------------------------
+
+    def sample(self, logits: Tensor, requests: list[Request]) -> Verified:
+        """logits [sum(K_r + 1), V]: the raw logits of each request's verify rows, in order.
+        Returns what to commit; one copy to the host."""
+        rows: list[SamplingRow] = []
+        ks = [len(r.draft_token_ids) for r in requests]
+        for req, k in zip(requests, ks):
+            for i in range(k + 1):
+                outs = req.output_token_ids + req.draft_token_ids[:i]
+                rows.append(SamplingRow(req.params, req.generator, req.prompt_token_ids, outs))
+        target = self.sampler.target_logits(logits, rows)
+        R, K, V = len(requests), max(ks), logits.shape[1]
+        device = logits.device
+        # [R, K + 1] index of each request's rows in the packed logits (padding repeats the
+        # request's last row; verify_drafts ignores rows past num_drafts).
+        starts, index, draft_ids = 0, [], []
+        for k, req in zip(ks, requests):
+            index.append([starts + min(i, k) for i in range(K + 1)])
+            draft_ids.append(req.draft_token_ids + [0] * (K - k))
+            starts += k + 1
+        idx = _to(torch.tensor(index), device)
+        out = verify_drafts(
+            target[idx.view(-1)].view(R, K + 1, V),
+            _to(torch.tensor(draft_ids, dtype=torch.long).view(R, K), device),
+            ks,
+            _to(torch.tensor([r.params.greedy for r in requests]), device),
+            generators=[r.generator for r in requests],
+            default_generator=self.sampler.default_generator(device),
+        )
+        want = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+        lp = None
+        if want:
+            # the committed token of each packed row (rows past the accepted ones: anything)
+            chosen = out.token_ids.clamp_min(0)
+            flat = torch.cat([chosen[r, : k + 1] for r, k in enumerate(ks)])
+            lp = compute_logprobs(logits, flat, max(want))
+        host = [t.cpu() for t in (out.token_ids, out.num_accepted)]  # the step's one copy
+        lp_host = [t.cpu() for t in lp] if lp is not None else None
+        tokens, accepted = host[0].tolist(), host[1].tolist()
+        committed = [tokens[r][: accepted[r] + 1] for r in range(R)]
+        logprobs = None
+        if lp_host is not None:
+            chosen_l, ranks, top_ids, top_lps = (t.tolist() for t in lp_host)
+            logprobs, start = [], 0
+            for r, k in enumerate(ks):
+                rows_r = range(start, start + len(committed[r]))
+                logprobs.append([(chosen_l[i], ranks[i], top_ids[i], top_lps[i]) for i in rows_r])
+                start += k + 1
+        return Verified(committed, ks, logprobs)
+
+
+def record(req: Request, num_drafts: int, num_accepted: int) -> None:
+    """Count one verify step on the request (steps without drafts are not verify steps)."""
+    if num_drafts:
+        if req.spec is None:
+            req.spec = SpecStats()
+        req.spec.record(num_drafts, num_accepted)
+
+
+def _to(t: Tensor, device: torch.device) -> Tensor:
+    return t.to(device, non_blocking=True)
