@@ -116,8 +116,6 @@ class EngineCore:
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache
         )
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
-        if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
-            self._capture_graphs(backend)
         # --seed makes unseeded sampling reproducible run to run (seeded requests use their own)
         self.sampler = Sampler(eos_token_ids=sorted(self.eos_token_ids), seed=config.seed)
         # Speculative decoding (off by default); it needs the overlap schedule off (see
@@ -126,6 +124,8 @@ class EngineCore:
         if config.speculative_algorithm:
             self.spec = Speculation(config, self.sampler, self.max_model_len)
         self.overlap = not config.disable_overlap_schedule and self.spec is None
+        if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
+            self._capture_graphs(backend)
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None
         self._num_history_requests = 0  # live requests whose sampling reads token values
@@ -188,6 +188,13 @@ class EngineCore:
         )
         graphs.capture()
         self.runner.graphs = graphs
+        if self.spec is not None and self.spec.k > 0:
+            verify = DecodeGraphs(
+                self.model, backend, self.kv, self.config.cuda_graph_max_bs, self.max_model_len,
+                shape, tokens_per_request=self.spec.k + 1,
+            )
+            verify.capture()
+            self.runner.verify_graphs = verify
 
     def _kv_bytes(self, backend: Any, kv_shape: tuple[int, int], kv_dtype: torch.dtype) -> float:
         if self.config.kv_cache_gb is not None:
@@ -287,6 +294,8 @@ class EngineCore:
         samplers, rows = self._sampling_rows(batch)
         fill = self._device_tokens(batch)
         logits = self.runner.decode_logits(batch, self.memory, fill)
+        if logits is None and self.spec is not None:
+            logits = self.runner.verify_logits(batch, self.memory)
         if logits is None:
             fb = self.runner.prepare(batch, self.memory, fill)
             hidden = self.runner.forward(fb)

@@ -1,12 +1,15 @@
 """CUDA graphs for decode steps (`--cuda-graph-max-bs`, 0 disables): a removable layer.
 
-One graph per bucketed batch size captures model forward + logits for `bs` requests with one
-new token each. Inputs and the Triton metadata live in static device buffers that every
-replay overwrites in place:
+One graph per bucketed batch size captures model forward + logits for `bs` requests with `q`
+new tokens each: q = 1 for decode, q = K + 1 for the verify chunks of speculative decoding
+([last, d_1..d_K], fewer drafts padded). Inputs and the Triton metadata live in static device
+buffers that every replay overwrites in place:
 
-    rows [0, n)   real requests: token, position, page tables, slot, seq_len
-    rows [n, bs)  padding: slot -1 (the store kernel skips it), seq_len 1 over the NULL page
-                  (all-zero table row), so they read one finite key and write nothing
+    requests [0, n)   real: tokens, positions, page tables, slots, seq_len = start + q;
+                      a chunk shorter than q is padded at its end with slot -1 tokens, which
+                      only padding rows read (causal) and whose logits the caller drops
+    requests [n, bs)  padding: slot -1 (the store kernel skips it), seq_len q over the NULL
+                      page (all-zero table row), so they read finite keys and write nothing
 
 The split-KV count is fixed per bucket (chosen for the longest context), because a replayed
 launch cannot change its grid. Only the Triton backend is captured; eager is the fallback.
@@ -46,54 +49,58 @@ class DecodeGraphs:
         max_bs: int,
         max_model_len: int,
         spec_shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim)
+        tokens_per_request: int = 1,
     ) -> None:
         self.model, self.backend, self.kv = model, backend, kv
         dev = backend.device
+        self.q = q = tokens_per_request
         self.buckets = batch_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         self.page_size = backend.page_size
-        self.max_pages = math.ceil(max_model_len / self.page_size)
+        self.max_pages = math.ceil((max_model_len + q) / self.page_size)
         ngroups = backend.layout.num_groups
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
-        self.qsl = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
+        rows = self.max_bs * q
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((self.max_bs,), q, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev) * q
         self.tables = [
             torch.zeros(self.max_bs, self.max_pages, dtype=torch.int32, device=dev)
             for _ in range(ngroups)
         ]
         self.slots = [
-            torch.full((self.max_bs,), -1, dtype=torch.int64, device=dev) for _ in range(ngroups)
+            torch.full((rows,), -1, dtype=torch.int64, device=dev) for _ in range(ngroups)
         ]
         h, hkv, d = spec_shape
         self.splits = {}
         windows = [g.window for g in backend.layout.groups]
         for bs in self.buckets:
-            cfg = attention_config(d, h // hkv, 1)
+            cfg = attention_config(d, h // hkv, q)
             longest = max(
                 max_model_len if w is None else min(w, max_model_len) for w in windows
             )
-            self.splits[bs] = choose_num_splits(bs, hkv, 1, longest, cfg.block_q, _num_sms(dev))
+            self.splits[bs] = choose_num_splits(bs, hkv, q, longest, cfg.block_q, _num_sms(dev))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def _batch(self, bs: int) -> ForwardBatch:
+        t = bs * self.q
         meta = TritonMetadata(
             query_start_loc=self.qsl[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             context_lens=self.seq_lens[:bs],  # unused by the kernels
             groups=[
-                TritonGroupMetadata(t[:bs], s[:bs]) for t, s in zip(self.tables, self.slots)
+                TritonGroupMetadata(tb[:bs], s[:t]) for tb, s in zip(self.tables, self.slots)
             ],
-            num_tokens=bs,
-            max_query_len=1,
+            num_tokens=t,
+            max_query_len=self.q,
             max_seq_len=self.max_pages * self.page_size,
-            decode_only=True,
+            decode_only=self.q == 1,
             num_splits=self.splits[bs],
         )
         return ForwardBatch(
-            self.input_ids[:bs], self.positions[:bs], self.backend, meta, self.kv
+            self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv
         )
 
     @torch.inference_mode()
@@ -113,7 +120,8 @@ class DecodeGraphs:
                 self.graphs[bs], self.outputs[bs] = graph, out
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        what = "decode" if self.q == 1 else f"verify ({self.q} tokens per request)"
+        log.info("captured %s CUDA graphs for batch sizes %s", what, self.buckets)
 
     def bucket(self, n: int) -> int | None:
         for bs in self.buckets:
@@ -158,3 +166,45 @@ class DecodeGraphs:
             self.slots[g][:bs].copy_(slots, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+    def run_chunks(
+        self,
+        chunks: list[list[int]],  # per request: 1..q token ids from its next position on
+        starts: list[int],  # per request: the position of its first token
+        page_tables: list[list[list[int]]],  # [request][group] -> pages
+    ) -> torch.Tensor:
+        """Logits `[n, q, vocab]` (float32) of one step where request r computes chunks[r] at
+        positions starts[r].. (rows past len(chunks[r]) are padding: drop them)."""
+        n, q, ps = len(chunks), self.q, self.page_size
+        bs = self.bucket(n)
+        ids, pos, seq = [], [], []
+        for chunk, p0 in zip(chunks, starts):
+            ids += chunk + [0] * (q - len(chunk))
+            pos += range(p0, p0 + q)
+            seq.append(p0 + q)
+        ids += [0] * ((bs - n) * q)
+        pos += [0] * ((bs - n) * q)
+        head = torch.tensor([ids, pos], dtype=torch.int64)
+        t = bs * q
+        self.input_ids[:t].copy_(head[0], non_blocking=True)
+        self.positions[:t].copy_(head[1], non_blocking=True)
+        lens = torch.tensor(seq + [q] * (bs - n), dtype=torch.int32)
+        self.seq_lens[:bs].copy_(lens, non_blocking=True)
+        # Every table entry a row may read (up to start + q, padding included) is written:
+        # NULL past the request's own pages.
+        width = min(self.max_pages, max(-(-(p0 + q) // ps) for p0 in starts))
+        for g in range(len(self.tables)):
+            rows = [pt[g][:width] for pt in page_tables]
+            table = torch.tensor(
+                [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * (bs - n),
+                dtype=torch.int32,
+            )
+            slots = []
+            for r, chunk, p0 in zip(rows, chunks, starts):
+                slots += [r[p // ps] * ps + p % ps for p in range(p0, p0 + len(chunk))]
+                slots += [-1] * (q - len(chunk))
+            slots += [-1] * ((bs - n) * q)
+            self.tables[g][:bs, :width].copy_(table, non_blocking=True)
+            self.slots[g][:t].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+        self.graphs[bs].replay()
+        return self.outputs[bs][: n * q].view(n, q, -1)

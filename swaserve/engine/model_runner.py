@@ -22,6 +22,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.graphs = None  # DecodeGraphs once captured (swaserve/engine/cuda_graph.py)
+        self.verify_graphs = None  # the same, K + 1 tokens per request (speculative decoding)
 
     def decode_logits(
         self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None
@@ -40,6 +41,28 @@ class ModelRunner:
             [memory.page_table(r.request_id) for r in reqs],
             fill,
         )
+
+    def verify_logits(self, batch: ScheduledBatch, memory: MemoryManager) -> torch.Tensor | None:
+        """Speculative decoding: the logits of each request's verify rows, packed in batch
+        order ([sum(K_r + 1), vocab]), through a captured graph of `q` tokens per request; None
+        when the step does not qualify (a prefill chunk in it, a chunk longer than q, too many
+        requests)."""
+        g = self.verify_graphs
+        if g is None or len(batch) > g.max_bs:
+            return None
+        reqs, ns = batch.requests, batch.num_new_tokens
+        for r, n in zip(reqs, ns):
+            c = r.num_computed_tokens
+            if n > g.q or c != r.num_tokens - 1 or c + n != r.num_tokens_with_drafts:
+                return None
+        logits = g.run_chunks(
+            [r.tokens(r.num_computed_tokens, r.num_computed_tokens + n) for r, n in zip(reqs, ns)],
+            [r.num_computed_tokens for r in reqs],
+            [memory.page_table(r.request_id) for r in reqs],
+        )
+        if all(n == g.q for n in ns):
+            return logits.view(-1, logits.shape[-1])
+        return torch.cat([logits[i, :n] for i, n in enumerate(ns)])
 
     def prepare(
         self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None

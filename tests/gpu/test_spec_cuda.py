@@ -1,5 +1,5 @@
 """GPU only (skipped elsewhere): speculative decoding on CUDA (Triton attention over verify
-chunks, CUDA graphs for the pure decode steps, sampling on the device): greedy tokens and
+chunks, CUDA graphs for decode and verify steps, sampling on the device): greedy tokens and
 logprobs equal to speculation off, in float32, on a tiny random Gemma 3 with an oracle drafter
 (the reference continuation with planted errors: full, partial and zero acceptances) and with
 the n-gram drafter on repetitive prompts; a seeded request reproduces alone and in a batch."""
@@ -48,7 +48,12 @@ def test_greedy_equal_to_speculation_off_on_cuda(folder):
         on = _engine(folder, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
         if drafter == "oracle":
             on.core.spec.drafter = Oracle({tuple(p): w.token_ids for p, w in zip(prompts, want)})
+        graphs = on.core.runner.verify_graphs
+        replays = []
+        run_chunks = graphs.run_chunks
+        graphs.run_chunks = lambda *a, r=replays, f=run_chunks: r.append(1) or f(*a)
         got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert replays, "no verify step ran through a CUDA graph"
         on.core.memory.check_integrity()
         for g, w in zip(got, want):
             assert g.token_ids == w.token_ids, drafter
