@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -299,6 +300,8 @@ def convert_gguf(
         for stale in root.glob(glob.escape(f".tmp-{name}-") + "*"):  # left by a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+        # Half a minute or more for a small model: say so (once per file and cache folder).
+        print(f"swaserve: converting {path.name} into {final} (once)", file=sys.stderr, flush=True)
         try:
             try:
                 _write_folder(path, tmp)
