@@ -1,0 +1,174 @@
+"""GPU run (issue 14, item 1): where the time of a step goes, on the offline throughput
+workload of the vLLM peer (1,000 requests, prompt and output lengths uniform in [100, 1024],
+`random.Random(0)` in the peer's order, same `dataset_digest`), Llama-3.1-8B shape, dummy bf16
+weights, swaserve's defaults.
+
+Each engine step is timed by phase on the host (schedule, page moves, launch = batch building
++ forward and sampling enqueued, resolve = waiting for the tokens and committing them, retire)
+and on the device (CUDA events around the launched work). Steps are split by kind: decode
+steps through a CUDA graph, and eager steps (prefill chunks, mixed batches). The GPU's busy
+share is its event time over the wall time.
+
+Prints a table last; JSON to $OUT/step_profile.json.
+Usage: PYTHONPATH=. python benchmarks/step_profile.py [--num-prompts 1000] [--max-steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import time
+from collections import defaultdict
+
+import torch
+
+from swaserve import Engine, SamplingParams
+
+VOCAB = 128256
+
+
+def make_requests(n: int, seed: int = 0, lo: int = 100, hi: int = 1024):
+    """The peer's requests (bench_vllm.py make_requests): per request prompt length, output
+    length, then the prompt's ids, all from one random.Random(seed) stream."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        plen, olen = rng.randint(lo, hi), rng.randint(lo, hi)
+        reqs.append(([rng.randint(100, VOCAB - 100) for _ in range(plen)], olen))
+    return reqs
+
+
+def digest(reqs) -> str:
+    h = hashlib.sha256()
+    for ids, olen in reqs:
+        h.update(json.dumps([ids, olen]).encode())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
+    ap.add_argument("--warmup-steps", type=int, default=30)
+    args = ap.parse_args()
+    eng = Engine(model="llama-3.1-8b", load_format="dummy", seed=0)
+    core = eng.core
+    reqs = make_requests(args.num_prompts)
+    for i, (ids, olen) in enumerate(reqs):
+        core.add_request(str(i), ids, SamplingParams(max_tokens=olen, ignore_eos=True,
+                                                     temperature=0))
+    host = defaultdict(float)  # phase -> seconds, this step
+    stats = defaultdict(lambda: defaultdict(float))  # kind -> field -> total
+    graph_hit = [False]
+
+    def timed(obj, name, phase):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                host[phase] += time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    timed(core.scheduler, "schedule", "schedule")
+    if core.cache is not None:
+        timed(core.cache, "move_pages", "page_moves")
+    timed(core, "_resolve", "resolve")
+    timed(core.scheduler, "retire", "retire")
+    decode_logits = core.runner.decode_logits
+
+    def decode_probe(*a, **k):
+        out = decode_logits(*a, **k)
+        graph_hit[0] = out is not None
+        return out
+
+    core.runner.decode_logits = decode_probe
+    launch = core._launch
+    events = []  # (kind, start event, end event)
+
+    def launch_timed(batch):
+        t = time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = launch(batch)
+        end.record()
+        host["launch"] += time.perf_counter() - t
+        kind = "graph decode" if graph_hit[0] else "eager (prefill/mixed)"
+        events.append((kind, start, end))
+        tokens = sum(batch.num_new_tokens)
+        stats[kind]["tokens"] += tokens
+        stats[kind]["requests"] += len(batch)
+        return out
+
+    core._launch = launch_timed
+    steps, out_tokens = 0, 0
+    wall0 = None
+    while core.has_unfinished():
+        host.clear()
+        graph_hit[0] = False
+        n_events = len(events)
+        t = time.perf_counter()
+        outs = core.step()
+        dt = time.perf_counter() - t
+        steps += 1
+        if steps == args.warmup_steps:
+            torch.cuda.synchronize()
+            wall0 = time.perf_counter()
+            for kind in list(stats):
+                stats[kind].clear()
+            events.clear()
+            continue
+        if wall0 is None:
+            continue
+        out_tokens += sum(len(o.new_token_ids) for o in outs)
+        kind = events[-1][0] if len(events) > n_events else "no launch"
+        s = stats[kind]
+        s["steps"] += 1
+        s["step_s"] += dt
+        for phase, v in host.items():
+            s[phase] += v
+        if args.max_steps and steps >= args.max_steps:
+            break
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - wall0
+    gpu = defaultdict(float)
+    for kind, a, b in events:
+        gpu[kind] += a.elapsed_time(b) / 1e3
+    phases = ["schedule", "page_moves", "launch", "resolve", "retire"]
+    record = {"digest": digest(reqs), "wall_s": wall, "steps": steps,
+              "output_tok_s": out_tokens / wall, "gpu_busy": sum(gpu.values()) / wall,
+              "kinds": {}}
+    print(f"\nllama-3.1-8b dummy bf16, {args.num_prompts} requests (digest {record['digest']}), "
+          f"after {args.warmup_steps} warm-up steps")
+    print(f"wall {wall:.1f} s, {out_tokens / wall:,.0f} output tok/s, GPU busy "
+          f"{record['gpu_busy']:.0%} (event time / wall)")
+    head = f"{'step kind':22} {'steps':>6} {'tok/step':>8} {'reqs':>6} {'step ms':>8} " + " ".join(
+        f"{p[:8]:>8}" for p in phases) + f" {'GPU ms':>8}"
+    print(head)
+    for kind, s in stats.items():
+        n = s["steps"]
+        if not n:
+            continue
+        row = {p: s[p] / n * 1e3 for p in phases}
+        g = gpu.get(kind, 0.0) / n * 1e3
+        record["kinds"][kind] = {"steps": n, "tokens_per_step": s["tokens"] / n,
+                                 "requests_per_step": s["requests"] / n,
+                                 "step_ms": s["step_s"] / n * 1e3, "gpu_ms": g, **row}
+        print(f"{kind:22} {int(n):6d} {s['tokens'] / n:8.0f} {s['requests'] / n:6.0f} "
+              f"{s['step_s'] / n * 1e3:8.2f} " + " ".join(f"{row[p]:8.2f}" for p in phases)
+              + f" {g:8.2f}")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "step_profile.json"), "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
