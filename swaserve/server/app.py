@@ -6,6 +6,10 @@ chat; on the one tokenizer thread, off the event loop) -> check the context ->
 `RequestOutput`s -> OpenAI JSON or SSE chunks. The handlers never touch the model; the only
 waiting is on asyncio queues fed by the IPC task.
 
+`GET /v1/memory` returns the engine core's latest memory stats (the KV pool, per attention group,
+the prefix cache and its tiers) and queue lengths; `GET /` serves the playground page
+(`swaserve/server/static/`, plain files, nothing external) unless `--disable-playground`.
+
 Statuses: 400 invalid request (never FastAPI's 422) or prompt + max_tokens beyond the context;
 401 wrong or missing key (`/v1/*` only); 404 unknown model or path; 503 queue full or core gone.
 A client that goes away (stream or not) aborts its requests in the core.
@@ -23,6 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,6 +47,17 @@ from swaserve.speculative.metrics import SpecStats
 log = logging.getLogger(__name__)
 _WIRE_INT_MIN, _WIRE_INT_MAX = -(2**63), 2**64 - 1  # what msgpack and torch seeds accept
 _DISCONNECTED = object()
+STATIC_DIR = Path(__file__).parent / "static"  # the playground page (docs/serving.md)
+_STATIC_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+}
+# The page loads nothing from elsewhere; the browser enforces it.
+_PLAYGROUND_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 @dataclass
@@ -60,6 +76,7 @@ class ServerState:
     context_by_kv_pool: bool = False  # max_model_len is what the KV pool holds (error text)
     # --model as given; requests may name it or model_name (--served-model-name).
     model_path: str | None = None
+    playground: bool = True  # serve the playground page at / (--disable-playground: off)
     # Tokenizing and chat templates run here, not on the event loop: a long prompt would stall
     # every other request's streaming. One thread: requests tokenized in arrival order, and
     # the tokenizer never used from two threads at once.
@@ -185,6 +202,16 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/v1/memory")
+    async def memory() -> Response:
+        """The KV pool as the engine core last reported it (after its latest step)."""
+        if state.client.dead is not None:
+            return APIError(503, f"engine core is not running: {state.client.dead}").response()
+        return JSONResponse(memory_view(state.client.stats))
+
+    if state.playground:
+        _add_playground(app)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [state.model_card()]}
@@ -207,6 +234,38 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def memory_view(stats: dict) -> dict:
+    """/v1/memory's body: `Engine.memory_stats()` (pages_total, pages_free, per group
+    pages_used with kind and window, the prefix cache's counters) plus the queue lengths."""
+    mem = dict(stats.get("memory", {}))
+    mem["groups"] = [dict(g) for g in mem.get("groups", [])]
+    for key in ("num_running", "num_waiting", "num_preemptions"):
+        mem[key] = stats.get(key, 0)
+    return mem
+
+
+def _add_playground(app: FastAPI) -> None:
+    """`/`: the playground page; `/static/NAME`: its files (a fixed list, read per request)."""
+    files = {p.name: p for p in STATIC_DIR.iterdir() if p.suffix in _STATIC_TYPES}
+
+    def serve(name: str) -> Response:
+        path = files.get(name)
+        if path is None:
+            raise APIError(404, f"no such file: /static/{name}")
+        headers = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+        if path.suffix == ".html":
+            headers["Content-Security-Policy"] = _PLAYGROUND_CSP
+        return Response(path.read_bytes(), media_type=_STATIC_TYPES[path.suffix], headers=headers)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> Response:
+        return serve("playground.html")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        return serve(name)
+
+
 def _document_errors(app: FastAPI) -> None:
     """The OpenAPI schema lists the statuses we answer with (400, not FastAPI's 422)."""
     base = app.openapi
@@ -224,7 +283,10 @@ def _document_errors(app: FastAPI) -> None:
                 for op in ops.values():
                     responses = op.setdefault("responses", {})
                     responses.pop("422", None)
-                    if path.startswith("/v1/models"):
+                    if path == "/v1/memory":
+                        codes = ("401", "503")
+                        responses.update({k: {"description": errors[k]} for k in codes})
+                    elif path.startswith("/v1/models"):
                         codes = ("401", "404") if "{" in path else ("401",)
                         responses.update({k: {"description": errors[k]} for k in codes})
                     elif path.startswith("/v1/"):

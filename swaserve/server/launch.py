@@ -47,6 +47,7 @@ class ServerArgs:
     max_n: int = 16
     log_level: str = "info"
     served_model_name: str | None = None  # None: the --model value
+    playground: bool = True  # the page at / (--disable-playground turns it off)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -198,6 +199,7 @@ async def _main(
             api_key=args.api_key,
             metrics=metrics,
             created=int(time.time()),
+            playground=args.playground,
         )
         server = _server_class()(
             uvicorn.Config(
@@ -209,11 +211,12 @@ async def _main(
             )
         )
         server.on_started = lambda: log.info(
-            "serving %s on http://%s:%d (engine core pid %d)",
+            "serving %s on http://%s:%d (engine core pid %d)%s",
             state.model_name,
             args.host,
             args.port,
             proc.pid,
+            f"; playground: http://{args.host}:{args.port}/" if args.playground else "",
         )
         watchdog = asyncio.get_running_loop().create_task(_watchdog(proc, client, server))
         try:
