@@ -347,6 +347,17 @@ def _run(w: Workload, models: Models, folder: Path, tmp: Path) -> dict:
     return result
 
 
+def run_sweep(seeds: range, models: Models, tmp: Path) -> dict[str, int]:
+    """Run workloads for `seeds` (each in its own folder under tmp); the counters summed."""
+    totals: dict[str, int] = {}
+    for seed in seeds:
+        d = tmp / str(seed)
+        d.mkdir()
+        for k, v in run_workload(seed, models, d).items():
+            totals[k] = totals.get(k, 0) + v
+    return totals
+
+
 def sweep_size(default: int) -> int:
     """Workloads of the sweep: SWASERVE_STRESS_WORKLOADS overrides (longer local runs)."""
     return int(os.environ.get("SWASERVE_STRESS_WORKLOADS", default))

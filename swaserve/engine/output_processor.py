@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from swaserve.engine.detokenizer import IncrementalDetokenizer
 from swaserve.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
-from swaserve.speculative.metrics import SpecStats
+from swaserve.speculative.metrics import merge_spec
 
 if TYPE_CHECKING:
     from swaserve.sampling.params import SamplingParams
@@ -309,7 +309,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             finished=finished,
-            spec_decoding=_merged_spec(state.children) if finished else None,
+            spec_decoding=merge_spec(c.spec for c in state.children) if finished else None,
         )
 
     @staticmethod
@@ -350,14 +350,3 @@ class OutputProcessor:
         child.sent_text, child.sent_tokens = len(text), len(child.token_ids)
         child.sent_finish = child.finished
         return co
-
-
-def _merged_spec(children: list[_Child]) -> dict | None:
-    """The speculative decoding counters of all samples (None: speculation off)."""
-    stats = [c.spec for c in children if c.spec is not None]
-    if not stats:
-        return None
-    total = SpecStats()
-    for d in stats:
-        total.merge(SpecStats.from_dict(d))
-    return total.to_dict()

@@ -42,7 +42,7 @@ from swaserve.sampling.params import SamplingParams
 from swaserve.server import protocol as P
 from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestFailed
 from swaserve.server.metrics import CONTENT_TYPE, Metrics
-from swaserve.speculative.metrics import SpecStats
+from swaserve.speculative.metrics import merge_spec
 
 log = logging.getLogger(__name__)
 _WIRE_INT_MIN, _WIRE_INT_MAX = -(2**63), 2**64 - 1  # what msgpack and torch seeds accept
@@ -565,7 +565,7 @@ class _CompletionView:
             "choices": choices,
             "usage": self._usage(completion_tokens, cached),
         }
-        spec = _merged_spec(finals[rid].spec_decoding for rid in self.rids)
+        spec = merge_spec(finals[rid].spec_decoding for rid in self.rids)
         if spec is not None:
             out["spec_decoding"] = spec
         if self.token_ids and len(self.prompts) == 1:
@@ -776,17 +776,6 @@ class _ChatView:
         yield "data: [DONE]\n\n"
 
 
-def _merged_spec(specs: Iterable[dict | None]) -> dict | None:
-    """Speculative decoding counters over several requests (None: speculation off)."""
-    given = [d for d in specs if d is not None]
-    if not given:
-        return None
-    total = SpecStats()
-    for d in given:
-        total.merge(SpecStats.from_dict(d))
-    return total.to_dict()
-
-
 def _final_chunk(
     head: dict, include_usage: bool, usage: dict, specs: Iterable[dict]
 ) -> str | None:
@@ -795,7 +784,7 @@ def _final_chunk(
     chunk: dict[str, Any] = {**head, "choices": []}
     if include_usage:
         chunk["usage"] = usage
-    spec = _merged_spec(specs)
+    spec = merge_spec(specs)
     if spec is not None:
         chunk["spec_decoding"] = spec
     return _sse(chunk) if len(chunk) > len(head) + 1 else None

@@ -14,6 +14,7 @@ verify_ct 0 and null ratios: never a division by zero, never a made-up 1.0.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -60,3 +61,15 @@ class SpecStats:
             d["spec_verify_ct"], d["spec_proposed_drafts"], d["spec_accepted_drafts"],
             list(d["spec_accept_histogram"]),
         )
+
+
+def merge_spec(specs: Iterable[dict | None]) -> dict | None:
+    """The counters of several sequences or requests as one `to_dict()` (None when none has
+    any: speculation off)."""
+    given = [d for d in specs if d is not None]
+    if not given:
+        return None
+    total = SpecStats()
+    for d in given:
+        total.merge(SpecStats.from_dict(d))
+    return total.to_dict()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.stress import Models, run_workload, sweep_size
+from tests.stress import Models, run_sweep, sweep_size
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,10 +19,5 @@ pytestmark = [
 def test_stress_workloads_on_cuda(tmp_path):
     models = Models(tmp_path / "models", device="cuda")
     (tmp_path / "models").mkdir()
-    totals: dict[str, int] = {}
-    for seed in range(20_000, 20_000 + sweep_size(60)):
-        d = tmp_path / str(seed)
-        d.mkdir()
-        for k, v in run_workload(seed, models, d).items():
-            totals[k] = totals.get(k, 0) + v
+    totals = run_sweep(range(20_000, 20_000 + sweep_size(60)), models, tmp_path)
     assert totals.get("host_loads", 0) > 0 and totals.get("cache_hits", 0) > 0, totals

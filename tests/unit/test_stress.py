@@ -17,7 +17,7 @@ from swaserve import Engine, SamplingParams
 from swaserve.memory.groups import build_layout
 from swaserve.memory.manager import page_bytes
 from tests.helpers import save_random_hf_model, tiny_gemma3_config
-from tests.stress import Models, run_workload, sweep_size
+from tests.stress import Models, run_sweep, run_workload, sweep_size
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +94,7 @@ def test_stress_seeds_that_found_bugs(seed, models, tmp_path):
 @pytest.mark.slow
 def test_stress_sweep(models, tmp_path):
     """Fresh seeds, about 2 minutes on an idle 2-core machine."""
-    totals: dict[str, int] = {}
-    for seed in range(10_000, 10_000 + sweep_size(800)):
-        d = tmp_path / str(seed)
-        d.mkdir()
-        for k, v in run_workload(seed, models, d).items():
-            totals[k] = totals.get(k, 0) + v
+    totals = run_sweep(range(10_000, 10_000 + sweep_size(800)), models, tmp_path)
     # The sweep must exercise what it claims to: hits, evictions, host loads, preemptions.
     for key in ("cache_hits", "evictions", "host_loads", "preemptions", "requests"):
         assert totals.get(key, 0) > 0, (key, totals)
