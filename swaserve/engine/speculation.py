@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -59,11 +60,13 @@ class Speculation:
         self.k = min(self.k, config.max_num_batched_tokens - 1)
         self.sampler = sampler
         self.max_model_len = max_model_len
+        self._arrays: dict[str, tuple[np.ndarray, int]] = {}  # request -> (tokens, count)
 
     # ---- before the step ------------------------------------------------------------------
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for every running request in decode (the rest get none)."""
+        arrays = {}
         for req in running:
             req.draft_token_ids = []
             if req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids:
@@ -74,8 +77,27 @@ class Speculation:
                 self.max_model_len - req.num_tokens - 1,
             )
             if k > 0:
-                tokens = req.prompt_token_ids + req.output_token_ids
-                req.draft_token_ids = self.drafter.propose(tokens, k)
+                tokens = arrays[req.request_id] = self._tokens_of(req)
+                req.draft_token_ids = self.drafter.propose(tokens[0][: tokens[1]], k)
+        self._arrays = arrays  # requests that left drop out here
+
+    def _tokens_of(self, req: Request) -> tuple[np.ndarray, int]:
+        """The request's committed tokens as an int64 array, extended in place as outputs are
+        committed (committed tokens never change), grown by doubling."""
+        buf, have = self._arrays.get(req.request_id, (None, 0))
+        n = req.num_tokens
+        if buf is None or len(buf) < n:
+            grown = np.empty(max(256, 2 * n), dtype=np.int64)
+            if buf is not None:
+                grown[:have] = buf[:have]
+            buf = grown
+        p = req.num_prompt_tokens
+        if have < p:
+            buf[:p] = req.prompt_token_ids
+            have = p
+        if have < n:
+            buf[have:n] = req.output_token_ids[have - p : n - p]
+        return buf, n
 
     # ---- after the forward ----------------------------------------------------------------
 

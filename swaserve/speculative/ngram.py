@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramDrafter:
@@ -23,22 +22,35 @@ class NgramDrafter:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k drafts to follow `tokens` (fewer near the end of a match; [] for none)."""
+    def propose(self, tokens: Sequence[int] | np.ndarray, k: int) -> list[int]:
+        """Up to k drafts to follow `tokens` (fewer near the end of a match; [] for none).
+
+        One vector compare finds the earlier positions holding the last token (few, unless
+        the text repeats); longer suffixes are then checked at those positions only, a token
+        at a time. Hundreds of requests of thousands of tokens cost a few ms per step."""
         L = len(tokens)
         if k < 1 or L < self.min_n + 1:
             return []
         arr = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            suffix = arr[L - n :]
-            # Windows starting at i <= L - n - 1: each has at least one token after it.
-            windows = sliding_window_view(arr[: L - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                # The most recent occurrence followed by k tokens, else the earliest (the one
-                # followed by the most): in a run of repeats the most recent one is often
-                # right before the suffix itself, with a single token after it.
-                whole = hits[hits + n + k <= L]
-                start = int(whole[-1] if whole.size else hits[0]) + n
-                return arr[start : start + k].tolist()
-        return []
+        # ends e <= L - 2 of earlier occurrences of the last token (each has a token after it)
+        ends = np.flatnonzero(arr[: L - 1] == arr[L - 1])
+        if not ends.size:
+            return []
+        matched = [ends]  # matched[j]: ends of occurrences of the (j + 1)-token suffix
+        for j in range(1, min(self.max_n, L - 1)):
+            prev = matched[-1]
+            prev = prev[prev >= j]
+            nxt = prev[arr[prev - j] == arr[L - 1 - j]]
+            if not nxt.size:
+                break
+            matched.append(nxt)
+        n = len(matched)
+        if n < self.min_n:
+            return []
+        ends = matched[n - 1]
+        # The most recent occurrence followed by k tokens, else the earliest (the one followed
+        # by the most): in a run of repeats the most recent one is often right before the
+        # suffix itself, with a single token after it.
+        whole = ends[ends + k <= L - 1]
+        e = int(whole[-1] if whole.size else ends[0])
+        return arr[e + 1 : e + 1 + k].tolist()
