@@ -120,12 +120,15 @@ class Speculation:
             index.append([starts + min(i, k) for i in range(K + 1)])
             draft_ids.append(req.draft_token_ids + [0] * (K - k))
             starts += k + 1
-        idx = _to(torch.tensor(index), device)
+        if all(k == K for k in ks):  # every request has K drafts: the rows are in place
+            padded = target.view(R, K + 1, V)
+        else:
+            padded = target[_to(torch.tensor(index), device).view(-1)].view(R, K + 1, V)
         out = verify_drafts(
-            target[idx.view(-1)].view(R, K + 1, V),
+            padded,
             _to(torch.tensor(draft_ids, dtype=torch.long).view(R, K), device),
             ks,
-            _to(torch.tensor([r.params.greedy for r in requests]), device),
+            [r.params.greedy for r in requests],
             generators=[r.generator for r in requests],
             default_generator=self.sampler.default_generator(device),
         )

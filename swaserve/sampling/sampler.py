@@ -361,9 +361,11 @@ class Sampler:
         """The distribution each row samples from, as float32 logits (for verifying drafts):
         penalties and min_tokens masking, then temperature, top-k/top-p and min-p for random
         rows (greedy rows carry neutral values there, so their argmax is the greedy token).
-        Masked tokens are -inf."""
+        Masked tokens are -inf. When every row is plain greedy, `logits` itself."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         t = SamplingTensors.from_rows(rows, logits.shape[1], logits.device, self.eos_token_ids)
+        if t.plain_greedy:
+            return logits  # argmax of the raw logits: nothing to apply (not a copy)
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         apply_penalties(x, t)
         if not t.all_greedy:

@@ -39,7 +39,7 @@ def verify_drafts(
     logits: Tensor,
     draft_ids: Tensor,
     num_drafts: Sequence[int],
-    greedy: Tensor,
+    greedy: Sequence[bool],
     draft_probs: Tensor | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
     default_generator: torch.Generator | None = None,
@@ -50,8 +50,9 @@ def verify_drafts(
     temperature, top-k/top-p/min-p applied; masked tokens at -inf); rows past a request's
     num_drafts + 1 are ignored. draft_ids [R, K] int64 (anything past num_drafts).
     num_drafts: R ints in [0, K] (host values: a request's own generator draws exactly
-    that many uniforms, whatever the batch's K). greedy [R] bool: argmax acceptance (rows of greedy
-    requests hold logits before temperature, so argmax is the greedy token).
+    that many uniforms, whatever the batch's K). greedy: R bools (host values), argmax
+    acceptance (rows of greedy requests hold logits before temperature, so argmax is the
+    greedy token); an all-greedy batch skips the softmax and the draws.
     draft_probs [R, K, V] the drafter's q per draft, or None for one-hot drafts.
     generators: per request, its own generator or None (then `default_generator`, or torch's
     global RNG when that is None too)."""
@@ -66,6 +67,11 @@ def verify_drafts(
 
     target_ids = logits.argmax(dim=-1)  # [R, K + 1]
     greedy_ok = (safe_drafts == target_ids[:, :K]) & valid
+    if all(greedy):
+        num_accepted = greedy_ok.long().cumprod(dim=1).sum(dim=1)
+        next_token = target_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+        return _output(draft_ids, num_accepted, next_token, pos, K1)
+    greedy = torch.tensor(list(greedy)).to(device, non_blocking=True)
 
     probs = logits.float().softmax(dim=-1)  # [R, K + 1, V]
     p_draft = probs[:, :K].gather(-1, safe_drafts.unsqueeze(-1)).squeeze(-1)  # [R, K]
@@ -99,8 +105,15 @@ def verify_drafts(
     sampled = residual.div_(noise).argmax(dim=1)  # exponential race: an exact draw
     greedy_next = target_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
     next_token = torch.where(greedy, greedy_next, sampled)
+    return _output(draft_ids, num_accepted, next_token, pos, K1)
 
-    out = torch.full((R, K1), -1, dtype=torch.long, device=device)
+
+def _output(
+    draft_ids: Tensor, num_accepted: Tensor, next_token: Tensor, pos: Tensor, K1: int
+) -> VerifyOutput:
+    """[R, K + 1]: the accepted drafts, then the target's token, then -1."""
+    K = K1 - 1
+    out = torch.full((num_accepted.shape[0], K1), -1, dtype=torch.long, device=draft_ids.device)
     out[:, :K] = torch.where(pos.unsqueeze(0) < num_accepted.unsqueeze(1), draft_ids, -1)
     out.scatter_(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))
     return VerifyOutput(num_accepted=num_accepted, token_ids=out)

@@ -20,12 +20,12 @@ def _onehot_logits(rows: list[int], V: int = 8) -> torch.Tensor:
 def test_greedy_longest_matching_prefix_then_the_targets_token():
     # target argmax per row: 3, 4, 5, 6; drafts 3, 4, 7: two accepted, then row 2's 5
     logits = _onehot_logits([3, 4, 5, 6]).unsqueeze(0)
-    out = verify_drafts(logits, torch.tensor([[3, 4, 7]]), [3], torch.tensor([True]))
+    out = verify_drafts(logits, torch.tensor([[3, 4, 7]]), [3], [True])
     assert out.num_accepted.tolist() == [2]
     assert out.token_ids.tolist() == [[3, 4, 5, -1]]
     # all accepted: the bonus from the last row; none accepted: row 0's token
     out = verify_drafts(logits.repeat(3, 1, 1), torch.tensor([[3, 4, 5], [1, 4, 5], [3, 4, 5]]),
-                        [3, 3, 1], torch.tensor([True] * 3))
+                        [3, 3, 1], [True] * 3)
     assert out.num_accepted.tolist() == [3, 0, 1]
     assert out.token_ids.tolist() == [[3, 4, 5, 6], [3, -1, -1, -1], [3, 4, -1, -1]]
 
@@ -56,7 +56,7 @@ def test_sampling_emits_the_targets_distribution(drafter):
         draft_probs = q_rows.unsqueeze(0).expand(N, K, V)
     g = torch.Generator().manual_seed(1)
     out = verify_drafts(target.unsqueeze(0).expand(N, K + 1, V), drafts,
-                        [K] * N, torch.zeros(N, dtype=torch.bool),
+                        [K] * N, [False] * N,
                         draft_probs=draft_probs, default_generator=g)
     for j, emitted in enumerate(_emitted_distributions(out, K, V)):
         tv = 0.5 * (emitted - p[j].double()).abs().sum().item()
@@ -72,11 +72,12 @@ def test_seeded_requests_do_not_depend_on_the_batch():
     logits = torch.randn(5, K + 1, V)
     drafts = torch.randint(0, V, (5, K))
     lens = [4, 2, 0, 3, 4]
-    greedy = torch.tensor([False, False, False, True, False])
+    greedy = [False, False, False, True, False]
 
     def run(rows: list[int]):
         gens = [torch.Generator().manual_seed(100 + r) for r in rows]
-        return verify_drafts(logits[rows], drafts[rows], [lens[r] for r in rows], greedy[rows],
+        return verify_drafts(logits[rows], drafts[rows], [lens[r] for r in rows],
+                             [greedy[r] for r in rows],
                              generators=gens, default_generator=torch.Generator().manual_seed(9))
 
     together = run([0, 1, 2, 3, 4])
