@@ -88,9 +88,7 @@ class EngineConfig:
         self._check_device()
 
     def _check_speculative(self, bad) -> None:
-        algo = self.speculative_algorithm
-        if algo not in (None, "ngram", "dflash"):
-            raise bad("speculative_algorithm", "must be ngram or dflash")
+        algo = self.speculative_algorithm  # its choices are checked with FLAGS
         if algo != "dflash" and self.speculative_draft_model:
             raise bad("speculative_draft_model", "is for --speculative-algorithm dflash")
         k = self.speculative_num_draft_tokens

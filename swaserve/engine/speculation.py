@@ -113,16 +113,16 @@ class Speculation:
         target = self.sampler.target_logits(logits, rows)
         R, K, V = len(requests), max(ks), logits.shape[1]
         device = logits.device
-        # [R, K + 1] index of each request's rows in the packed logits (padding repeats the
-        # request's last row; verify_drafts ignores rows past num_drafts).
-        starts, index, draft_ids = 0, [], []
-        for k, req in zip(ks, requests):
-            index.append([starts + min(i, k) for i in range(K + 1)])
-            draft_ids.append(req.draft_token_ids + [0] * (K - k))
-            starts += k + 1
+        draft_ids = [req.draft_token_ids + [0] * (K - k) for k, req in zip(ks, requests)]
         if all(k == K for k in ks):  # every request has K drafts: the rows are in place
             padded = target.view(R, K + 1, V)
         else:
+            # [R, K + 1] index of each request's rows in the packed logits (padding repeats
+            # the request's last row; verify_drafts ignores rows past num_drafts).
+            starts = [0]
+            for k in ks[:-1]:
+                starts.append(starts[-1] + k + 1)
+            index = [[s + min(i, k) for i in range(K + 1)] for s, k in zip(starts, ks)]
             padded = target[_to(torch.tensor(index), device).view(-1)].view(R, K + 1, V)
         out = verify_drafts(
             padded,
@@ -139,10 +139,10 @@ class Speculation:
             chosen = out.token_ids.clamp_min(0)
             flat = torch.cat([chosen[r, : k + 1] for r, k in enumerate(ks)])
             lp = compute_logprobs(logits, flat, max(want))
-        host = [t.cpu() for t in (out.token_ids, out.num_accepted)]  # the step's one copy
+        # The step's one copy: each row holds the accepted drafts and the target's token,
+        # then -1 (token ids are >= 0), so the accepted counts need no copy of their own.
+        committed = [[t for t in row if t >= 0] for row in out.token_ids.tolist()]
         lp_host = [t.cpu() for t in lp] if lp is not None else None
-        tokens, accepted = host[0].tolist(), host[1].tolist()
-        committed = [tokens[r][: accepted[r] + 1] for r in range(R)]
         logprobs = None
         if lp_host is not None:
             chosen_l, ranks, top_ids, top_lps = (t.tolist() for t in lp_host)
