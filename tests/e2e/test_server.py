@@ -360,11 +360,13 @@ def test_disconnect_frees_pages(server):
         n = 0
         async with ac.stream("POST", server.base_url + "/completions", json=body) as r:
             assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
+            # The line iterator is held until the block ends: breaking out of an `async for`
+            # drops it, and its finalizer closes the connection at once (the server then
+            # aborts the request before the gauges below are read).
+            lines = r.aiter_lines()
+            while n < 3:
+                if (await anext(lines)).startswith("data: "):
                     n += 1
-                    if n == 3:
-                        break
             if await barrier.wait() == 0:  # all 10 are mid-stream: their pages are held
                 # The gauges follow the core's steps: on a loaded machine, read them until the
                 # last admission shows (a few seconds at most), keeping what was seen.
