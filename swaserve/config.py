@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+BIG_GPU_BYTES = 70 * 2**30  # vLLM's line for its larger defaults (H100/H200 class)
+
 
 @dataclass
 class EngineConfig:
@@ -22,8 +24,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto | dummy
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None: by device (`with_device_defaults`): 1024 and 16,384 (server 8,192) on a GPU of
+    # >= 70 GiB, else 256 and 2,048.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     page_size: int = 16
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.85
@@ -43,6 +47,8 @@ class EngineConfig:
     # Triton RMSNorm / rotary / activation kernels on CUDA (eager torch elsewhere).
     disable_fused_ops: bool = False
     cuda_graph_max_bs: int = 128  # CUDA only; 0 disables
+    # Piecewise graphs (all but attention) for the other steps; None: min(budget, 2048).
+    piecewise_cuda_graph_max_tokens: int | None = None  # CUDA only; 0 disables
     chat_template: str | None = None
     seed: int = 0
     max_queue: int = 1024
@@ -61,9 +67,9 @@ class EngineConfig:
             flag = "--" + name.replace("_", "-")
             return ValueError(f"invalid {flag} {getattr(self, name)!r} ({name}): {why}")
 
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise bad("max_num_seqs", "must be >= 1")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", "must be >= 1")
         if self.page_size < 1:
             raise bad("page_size", "must be >= 1")
@@ -82,6 +88,10 @@ class EngineConfig:
             raise bad("disk_cache_gb", "needs --disk-cache-dir (disk_cache_dir)")
         if self.host_cache_gb < 0:
             raise bad("host_cache_gb", "must be >= 0")
+        if self.piecewise_cuda_graph_max_tokens is not None and (
+            self.piecewise_cuda_graph_max_tokens < 0
+        ):
+            raise bad("piecewise_cuda_graph_max_tokens", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
         self._check_speculative(bad)
@@ -128,6 +138,23 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    def with_device_defaults(self, device: torch.device, server: bool = False) -> EngineConfig:
+        """This config with the flags whose default depends on the device filled in. As vLLM
+        does, a GPU of >= 70 GiB runs up to 1,024 sequences and a step of 16,384 tokens
+        offline (8,192 in the server, where a long prompt's step stalls every stream): more
+        requests per step amortise the weights, and a bigger budget keeps prefill chunks big
+        beside hundreds of decodes (benchmarks/RESULTS.md: 9,648 -> 12,235 -> 14,305 output
+        tok/s offline on an H200). Other devices: 256 and 2,048."""
+        big = device.type == "cuda" and (
+            torch.cuda.get_device_properties(device).total_memory >= BIG_GPU_BYTES
+        )
+        seqs, tokens = (1024, 8192 if server else 16384) if big else (256, 2048)
+        return dataclasses.replace(
+            self,
+            max_num_seqs=self.max_num_seqs or seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or tokens,
+        )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -212,9 +239,13 @@ FLAGS: dict[str, FlagInfo] = {
         "full-length KV for every layer, sliding-window ones too: the baseline, same outputs",
     ),
     # scheduling
-    "max_num_seqs": FlagInfo("scheduling", "most sequences running at once"),
+    "max_num_seqs": FlagInfo(
+        "scheduling", "most sequences running at once", default="1024 on a GPU of >= 70 GiB, "
+        "else 256"
+    ),
     "max_num_batched_tokens": FlagInfo(
-        "scheduling", "token budget of one step (prefill chunks and decodes"
+        "scheduling", "token budget of one step (prefill chunks and decodes)",
+        default="on a GPU of >= 70 GiB 16384 offline, 8192 served; else 2048",
     ),
     "max_queue": FlagInfo(
         "scheduling", "server: most sequences waiting beyond --max-num-seqs; more get a 503"
@@ -227,7 +258,14 @@ FLAGS: dict[str, FlagInfo] = {
     "attention_backend": FlagInfo(
         "GPU", "attention kernels", ("torch", "triton"), default="triton on CUDA, torch elsewhere"
     ),
-    "cuda_graph_max_bs": FlagInfo("GPU", "largest decode batch run as a CUDA graph; 0: eager"),
+    "cuda_graph_max_bs": FlagInfo(
+        "GPU", "largest decode batch run as a CUDA graph; 0: no CUDA graphs at all"
+    ),
+    "piecewise_cuda_graph_max_tokens": FlagInfo(
+        "GPU",
+        "largest step (tokens) run as piecewise CUDA graphs (all but attention); 0: eager",
+        default="min(--max-num-batched-tokens, 2048)",
+    ),
     "disable_fused_ops": FlagInfo(
         "GPU", "eager torch RMSNorm, rotary and activations instead of the Triton kernels"
     ),

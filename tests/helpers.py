@@ -16,7 +16,7 @@ def engine_prompt_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
 
     def record(fb):
         h = forward(fb)
-        captured.append(h)
+        captured.append(h.clone())  # on CUDA a static graph buffer, overwritten next step
         return h
 
     core.runner.forward = record

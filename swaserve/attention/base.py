@@ -57,5 +57,7 @@ class AttentionBackend(ABC):
         spec: AttentionSpec,
         sinks: torch.Tensor | None,
         fb: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store k/v `[T, Hkv, D]` in the pool, attend with q `[T, H, D]`; returns `[T, H, D]`."""
+        """Store k/v `[T, Hkv, D]` in the pool, attend with q `[T, H, D]`; returns `[T, H, D]`
+        (written into `out` when given: the static buffer of piecewise CUDA graphs)."""

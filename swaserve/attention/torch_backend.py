@@ -95,11 +95,13 @@ class TorchBackend(AttentionBackend):
         spec: AttentionSpec,
         sinks: torch.Tensor | None,
         fb: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta: TorchMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
         fb.kv.store(spec.layer_id, k, v, gm.slot_mapping)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         qsl = meta.query_start_loc
         fp8 = fb.kv.is_fp8
         for r in range(len(qsl) - 1):

@@ -105,6 +105,7 @@ class TritonBackend(AttentionBackend):
         spec: AttentionSpec,
         sinks: torch.Tensor | None,
         fb: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta: TritonMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
@@ -132,4 +133,5 @@ class TritonBackend(AttentionBackend):
             num_splits=meta.num_splits,
             k_new=k if fresh else None,
             v_new=v if fresh else None,
+            out=out,
         )

@@ -39,6 +39,7 @@ from swaserve.weights.loader import build_model, load_hf_config
 
 log = logging.getLogger(__name__)
 _PROMPT_LOGPROB_ROWS = 256  # rows of [rows, vocab] logits computed at a time
+PIECEWISE_DEFAULT_MAX_TOKENS = 2048  # see EngineCore._piecewise_max_tokens
 
 
 @dataclass
@@ -73,9 +74,10 @@ def eos_token_ids(folder: Path, hf_config: Any) -> frozenset[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, folder: Path) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, folder: Path, server: bool = False) -> None:
+        """`server`: the OpenAI server's core (its device defaults favour latency)."""
         self.device = config.torch_device()
+        self.config = config = config.with_device_defaults(self.device, server)
         self.dtype = config.torch_dtype()
         self.hf_config = load_hf_config(folder)
         hf = self.hf_config
@@ -188,6 +190,13 @@ class EngineCore:
         )
         graphs.capture()
         self.runner.graphs = graphs
+        max_tokens = self._piecewise_max_tokens()
+        if max_tokens:
+            from swaserve.engine.piecewise_graph import PiecewiseGraphs
+
+            pieces = PiecewiseGraphs(self.model, backend, self.kv, max_tokens, shape)
+            pieces.capture()
+            self.runner.piecewise = pieces
         if self.spec is not None and self.spec.k > 0:
             verify = DecodeGraphs(
                 self.model, backend, self.kv, self.config.cuda_graph_max_bs, self.max_model_len,
@@ -195,6 +204,18 @@ class EngineCore:
             )
             verify.capture()
             self.runner.verify_graphs = verify
+
+    def _piecewise_max_tokens(self) -> int:
+        """Tokens of the largest step with piecewise graphs (0: none), at most the token
+        budget. The default stops at 2,048: above it an 8B model's step is GPU-bound (its
+        eager launches, ~25 ms, hide behind ~30+ ms of GEMMs), and each bucket costs ~1 s of
+        capture at start."""
+        c = self.config
+        if self.device.type != "cuda" or c.cuda_graph_max_bs == 0:
+            return 0
+        if c.piecewise_cuda_graph_max_tokens is not None:
+            return min(c.max_num_batched_tokens, c.piecewise_cuda_graph_max_tokens)
+        return min(c.max_num_batched_tokens, PIECEWISE_DEFAULT_MAX_TOKENS)
 
     def _kv_bytes(self, backend: Any, kv_shape: tuple[int, int], kv_dtype: torch.dtype) -> float:
         if self.config.kv_cache_gb is not None:
@@ -208,6 +229,7 @@ class EngineCore:
             self.model, backend, self.layout, c.page_size, kv_shape, kv_dtype,
             min(c.max_num_batched_tokens, self.max_model_len), c.max_num_seqs,
             int(self.hf_config.vocab_size), c.gpu_memory_utilization, self.device,
+            piecewise=self._piecewise_max_tokens() > 0,
         ).kv_bytes
 
     # ---- requests -------------------------------------------------------------------------

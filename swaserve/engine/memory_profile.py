@@ -8,7 +8,10 @@ logits and sampling temporaries of `max_num_seqs` rows gives the activation peak
 
 where "outside torch" is what the device uses beyond PyTorch's allocator (CUDA context,
 cuBLAS workspaces, other processes) and `reserve` covers the decode CUDA graphs' private
-pool and split-KV scratch, which are allocated after the pool. The numbers are logged.
+pool and split-KV scratch, which are allocated after the pool, plus, with piecewise graphs,
+their private pool: the activations of the largest step once more (the graphs keep their own
+copy of that memory; eager work beside them still uses the allocator's). The numbers are
+logged.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def profile_kv_bytes(
     vocab_size: int,
     utilization: float,
     device: torch.device,
+    piecewise: bool = False,
 ) -> MemoryProfile:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -96,7 +100,7 @@ def profile_kv_bytes(
 
     free, total = torch.cuda.mem_get_info(device)
     outside = max(0, (total - free) - torch.cuda.memory_reserved(device))
-    reserve = GRAPH_RESERVE_BYTES + 2 * num_seqs * vocab_size * 4
+    reserve = GRAPH_RESERVE_BYTES + 2 * num_seqs * vocab_size * 4 + (peak if piecewise else 0)
     kv = int(total * utilization - weights - peak - outside - reserve)
     profile = MemoryProfile(total, weights, peak, outside, reserve, max(0, kv))
     log.info("memory profile: %s", profile.describe())

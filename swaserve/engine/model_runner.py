@@ -23,6 +23,7 @@ class ModelRunner:
         self.device = device
         self.graphs = None  # DecodeGraphs once captured (swaserve/engine/cuda_graph.py)
         self.verify_graphs = None  # the same, K + 1 tokens per request (speculative decoding)
+        self.piecewise = None  # PiecewiseGraphs (engine/piecewise_graph.py): the other steps
 
     def decode_logits(
         self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None
@@ -94,6 +95,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Hidden states `[T, hidden]`; through piecewise graphs a view of a static buffer, valid
+        until the next forward is enqueued (use it, or clone it, within the step)."""
+        pw = self.piecewise
+        if pw is not None and fb.input_ids.shape[0] <= pw.max_tokens:
+            return pw.run(fb)
         return self.model(fb)
 
     @torch.inference_mode()

@@ -108,6 +108,7 @@ class CoreLoop:
                 READY,
                 {
                     "max_model_len": core.max_model_len,
+                    "max_num_seqs": core.config.max_num_seqs,  # resolved for the device
                     "context_by_kv_pool": core.context_by_kv_pool,
                     "vocab_size": int(core.hf_config.vocab_size),
                     "pid": os.getpid(),
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config = EngineConfig(**spec["config"])
         try:
-            core = EngineCore(config, Path(spec["folder"]))
+            core = EngineCore(config, Path(spec["folder"]), server=True)
         except ValueError as e:  # a flag the model or the pool cannot take: one line
             log.error("engine core failed: %s", e)
             _last_words(None, ctx, spec["out_addr"], str(e))

@@ -132,11 +132,14 @@ class CoreClient:
     """Frontend side of the IPC: add/abort requests, route outputs to per-request queues."""
 
     def __init__(
-        self, tokenizer: Any, in_addr: str, out_addr: str, max_in_flight: int, metrics: Any = None
+        self, tokenizer: Any, in_addr: str, out_addr: str, max_queue: int, metrics: Any = None
     ) -> None:
         self.processor = OutputProcessor(tokenizer)
         self.metrics = metrics
-        self.max_in_flight = max_in_flight  # core requests: max_num_seqs + max_queue
+        self.max_queue = max_queue
+        # core requests: max_num_seqs + max_queue, once the core says its max_num_seqs (its
+        # default depends on the device)
+        self.max_in_flight = max_queue
         # Sends go through a plain (sync) socket: they never block (no high-water mark), and they
         # work from `finally` blocks of cancelled tasks, where awaiting is not possible.
         self._ctx = zmq.Context()
@@ -284,6 +287,8 @@ class CoreClient:
                 q.put_nowait((rid, RequestFailed(msg[2], 400)))
         elif kind == READY:
             self.info = msg[1]
+            if "max_num_seqs" in self.info:
+                self.max_in_flight = self.info["max_num_seqs"] + self.max_queue
             self.stats = msg[1].get("stats", {})
             if self.metrics is not None:
                 self.metrics.update_core_stats(self.stats)

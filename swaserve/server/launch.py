@@ -173,7 +173,7 @@ async def _main(
         tokenizer,
         f"ipc://{tmp}/in",
         f"ipc://{tmp}/out",
-        config.max_num_seqs + config.max_queue,
+        config.max_queue,
         metrics,
     )
     client.start()

@@ -58,3 +58,22 @@ def test_no_weights_error_names_the_load_format_flag(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match=r"no \*\.safetensors in .*use --load-format dummy$"):
         Engine(model=str(tmp_path), device="cpu")
+
+
+def test_device_defaults_fill_only_what_was_not_given(monkeypatch) -> None:
+    """--max-num-seqs / --max-num-batched-tokens default by device (vLLM's rule): the CPU gets
+    256 / 2,048; a GPU of >= 70 GiB 1,024 and 16,384 offline, 8,192 in the server; a smaller
+    GPU 256 / 2,048; a given value always wins."""
+    cpu = torch.device("cpu")
+    got = EngineConfig().with_device_defaults(cpu)
+    assert (got.max_num_seqs, got.max_num_batched_tokens) == (256, 2048)
+    given = EngineConfig(max_num_seqs=8).with_device_defaults(cpu)
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (8, 2048)
+    for gib, server, want in [(141, False, (1024, 16384)), (141, True, (1024, 8192)),
+                              (24, False, (256, 2048))]:
+        props = type("Props", (), {"total_memory": gib * 2**30})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, p=props: p)
+        got = EngineConfig().with_device_defaults(torch.device("cuda"), server)
+        assert (got.max_num_seqs, got.max_num_batched_tokens) == want
+    got = EngineConfig(max_num_batched_tokens=512).with_device_defaults(torch.device("cuda"))
+    assert got.max_num_batched_tokens == 512
