@@ -6,11 +6,13 @@ weights, swaserve's defaults.
 Each engine step is timed by phase on the host (schedule, page moves, launch = batch building
 + forward and sampling enqueued, resolve = waiting for the tokens and committing them, retire)
 and on the device (CUDA events around the launched work). Steps are split by kind: decode
-steps through a CUDA graph, and eager steps (prefill chunks, mixed batches). The GPU's busy
+steps through a decode CUDA graph, and the others (prefill chunks, mixed batches, decode
+batches above the decode graphs' buckets: piecewise graphs up to their token limit, else eager). The GPU's busy
 share is its event time over the wall time.
 
 Prints a table last; JSON to $OUT/step_profile.json.
 Usage: PYTHONPATH=. python benchmarks/step_profile.py [--num-prompts 1000] [--max-steps N]
+       [--engine-arg piecewise_cuda_graph_max_tokens=0 ...] [--label NAME]
 """
 
 from __future__ import annotations
@@ -48,13 +50,29 @@ def digest(reqs) -> str:
     return h.hexdigest()[:16]
 
 
+def _engine_arg(text: str) -> tuple[str, object]:
+    key, _, value = text.partition("=")
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
     ap.add_argument("--warmup-steps", type=int, default=30)
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an Engine keyword (int, float or str), e.g. max_num_batched_tokens=8192")
+    ap.add_argument("--label", default="defaults")
     args = ap.parse_args()
-    eng = Engine(model="llama-3.1-8b", load_format="dummy", seed=0)
+    kw = dict(_engine_arg(a) for a in args.engine_arg)
+    t0 = time.perf_counter()
+    eng = Engine(model="llama-3.1-8b", load_format="dummy", seed=0, **kw)
+    start_s = time.perf_counter() - t0
     core = eng.core
     reqs = make_requests(args.num_prompts)
     for i, (ids, olen) in enumerate(reqs):
@@ -100,7 +118,7 @@ def main() -> None:
         out = launch(batch)
         end.record()
         host["launch"] += time.perf_counter() - t
-        kind = "graph decode" if graph_hit[0] else "eager (prefill/mixed)"
+        kind = "graph decode" if graph_hit[0] else "mixed/prefill/big"
         events.append((kind, start, end))
         tokens = sum(batch.num_new_tokens)
         stats[kind]["tokens"] += tokens
@@ -142,10 +160,12 @@ def main() -> None:
     for kind, a, b in events:
         gpu[kind] += a.elapsed_time(b) / 1e3
     phases = ["schedule", "page_moves", "launch", "resolve", "retire"]
-    record = {"digest": digest(reqs), "wall_s": wall, "steps": steps,
+    record = {"label": args.label, "engine_args": kw, "start_s": start_s,
+              "digest": digest(reqs), "wall_s": wall, "steps": steps,
               "output_tok_s": out_tokens / wall, "gpu_busy": sum(gpu.values()) / wall,
               "kinds": {}}
-    print(f"\nllama-3.1-8b dummy bf16, {args.num_prompts} requests (digest {record['digest']}), "
+    print(f"\n[{args.label}] {kw or 'defaults'}: engine start {start_s:.1f} s")
+    print(f"llama-3.1-8b dummy bf16, {args.num_prompts} requests (digest {record['digest']}), "
           f"after {args.warmup_steps} warm-up steps")
     print(f"wall {wall:.1f} s, {out_tokens / wall:,.0f} output tok/s, GPU busy "
           f"{record['gpu_busy']:.0%} (event time / wall)")
@@ -166,7 +186,7 @@ def main() -> None:
               + f" {g:8.2f}")
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "step_profile.json"), "w") as f:
+        with open(os.path.join(out, f"step_profile_{args.label}.json"), "w") as f:
             json.dump(record, f, indent=1)
 
 
