@@ -1,5 +1,5 @@
 """A DFlash drafter's config.json, read as the reference (`dflash` on PyPI, z-lab) reads it and
-checked against its target's config (docs/architecture.md §8).
+checked against its target's config (docs/architecture.md, Speculative decoding).
 
 The drafter is a few Qwen3 decoder layers, so config.json is parsed by transformers'
 `Qwen3Config`, as the reference parses it: a field the file omits takes Qwen3's default

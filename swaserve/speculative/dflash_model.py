@@ -1,6 +1,6 @@
 """The DFlash drafter (block diffusion; `dflash` on PyPI, z-lab): Qwen3 decoder layers with no
-embedding or head of their own, conditioned on the target's hidden states (docs/architecture.md
-§8). Parameter names are the reference's, so its safetensors load 1:1.
+embedding or head of their own, conditioned on the target's hidden states (docs/architecture.md,
+Speculative decoding). Parameter names are the reference's, so its safetensors load 1:1.
 
 One drafter forward over a request committed up to position c (its last committed token x_c
 not yet run through the target):
