@@ -53,7 +53,7 @@ class EngineConfig:
     seed: int = 0
     max_queue: int = 1024
     max_logprobs: int = 20
-    # Speculative decoding (docs/architecture.md §8, "Speculative decoding"): off unless an algorithm is named.
+    # Speculative decoding (docs/architecture.md §8): off unless an algorithm is named.
     speculative_algorithm: str | None = None  # ngram | dflash
     speculative_draft_model: str | None = None  # dflash: the drafter's folder
     # Drafts per verify step (vLLM's num_speculative_tokens); default: ngram 4, dflash

@@ -34,6 +34,9 @@ from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
 from swaserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from swaserve.speculative.dflash_config import DFlashConfig, load_dflash_config
+from swaserve.speculative.dflash_model import load_dflash_drafter
+from swaserve.speculative.dflash_proposer import DFlashProposer
 from swaserve.speculative.metrics import SpecStats
 from swaserve.weights.loader import build_model, load_hf_config
 
@@ -93,8 +96,13 @@ class EngineCore:
 
             enable_fused_ops(self.model)  # before profiling, calibration and graph capture
         self.eos_token_ids = eos_token_ids(folder, hf)
-        self.layout = build_layout(layer_windows(hf), all_full=config.disable_hybrid_kv_cache)
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
+        # DFlash: the drafter's layers join the pool's layout after the target's.
+        self.dflash_config = self._dflash_config(kv_heads, head_dim)
+        windows = layer_windows(hf)
+        if self.dflash_config is not None:
+            windows = windows + list(self.dflash_config.layer_windows)
+        self.layout = build_layout(windows, all_full=config.disable_hybrid_kv_cache)
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         bytes_per_page = page_bytes(
             self.layout, config.page_size, kv_heads, head_dim, kv_dtype.itemsize
@@ -124,10 +132,14 @@ class EngineCore:
         # engine/speculation.py).
         self.spec = None
         if config.speculative_algorithm:
-            self.spec = Speculation(config, self.sampler, self.max_model_len)
+            self.spec = Speculation(config, self.sampler, self.max_model_len, self.memory,
+                                    self.kv, self._dflash_proposer())
         self.overlap = not config.disable_overlap_schedule and self.spec is None
         if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
-            self._capture_graphs(backend)
+            if self.dflash_config is not None:  # the graphs keep no target hidden states yet
+                log.warning("no CUDA graphs with DFlash drafting yet: running eager")
+            else:
+                self._capture_graphs(backend)
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None
         self._num_history_requests = 0  # live requests whose sampling reads token values
@@ -140,6 +152,39 @@ class EngineCore:
             num_pages * bytes_per_page / 1e9,
             [(g.kind, g.window, len(g.layers)) for g in self.layout.groups],
         )
+
+    def _dflash_config(self, kv_heads: int, head_dim: int) -> DFlashConfig | None:
+        c = self.config
+        if c.speculative_algorithm != "dflash":
+            return None
+        if not c.speculative_draft_model:
+            raise ValueError(
+                "--speculative-algorithm dflash needs --speculative-draft-model PATH (a DFlash "
+                f"checkpoint folder); none ships for {c.model}"
+            )
+        if c.kv_cache_dtype != "auto":
+            raise ValueError(
+                "--speculative-algorithm dflash with --kv-cache-dtype fp8_e4m3: not supported "
+                "yet (the drafter's layers have no calibrated scales)"
+            )
+        cfg = load_dflash_config(c.speculative_draft_model, self.hf_config)
+        if (cfg.num_kv_heads, cfg.head_dim) != (kv_heads, head_dim):
+            raise ValueError(
+                f"{c.speculative_draft_model}: the drafter's K/V shape (num_key_value_heads "
+                f"{cfg.num_kv_heads}, head_dim {cfg.head_dim}) differs from the target's "
+                f"({kv_heads}, {head_dim}); its layers share the target's KV pool, which needs "
+                "them equal"
+            )
+        return cfg
+
+    def _dflash_proposer(self) -> DFlashProposer | None:
+        if self.dflash_config is None:
+            return None
+        drafter = load_dflash_drafter(
+            self.config.speculative_draft_model, self.hf_config, self.device, self.dtype
+        )
+        return DFlashProposer(drafter, self.model, self.layout,
+                              int(self.hf_config.num_hidden_layers), self.config.page_size)
 
     def _fit_context_to_pool(self, num_pages: int) -> None:
         """Cap max_model_len to the most tokens one request can hold in the pool (vLLM does
@@ -320,7 +365,16 @@ class EngineCore:
             logits = self.runner.verify_logits(batch, self.memory)
         if logits is None:
             fb = self.runner.prepare(batch, self.memory, fill)
+            dflash = self.spec.dflash if self.spec is not None else None
+            if dflash is not None:
+                fb.keep_layers = dflash.keep_layers
             hidden = self.runner.forward(fb)
+            if dflash is not None:  # the drafter's context K/V of the tokens just computed
+                dflash.store_context(
+                    [r.num_computed_tokens for r in batch.requests], list(batch.num_new_tokens),
+                    [self.memory.page_table(r.request_id) for r in batch.requests],
+                    fb.layer_outputs, self.kv,
+                )
             if samplers:
                 # Not torch.tensor(rows, device=...): that copy blocks the host until the step
                 # in flight is done, which would undo the overlap.

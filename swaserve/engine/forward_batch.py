@@ -3,7 +3,7 @@ by `ModelRunner.prepare` (the one conversion from the scheduler's CPU-side batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +20,16 @@ class ForwardBatch:
     backend: AttentionBackend
     metadata: Any  # the backend's own dataclass (see attention/*_backend.py)
     kv: KVPool
+    # Layers whose output the caller wants besides the last one (a DFlash drafter reads the
+    # target's hidden states after these); the model fills `layer_outputs` with Hugging Face's
+    # hidden_states[i + 1]: the residual stream after layer i, final-normed for the last layer.
+    keep_layers: frozenset[int] = frozenset()
+    layer_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def keep(self, layer: int, stream: torch.Tensor, normed: torch.Tensor, last: bool) -> None:
+        """Called by the model after each layer (cheap when nothing is kept)."""
+        if layer in self.keep_layers:
+            self.layer_outputs[layer] = normed if last else stream
 
 
 @dataclass

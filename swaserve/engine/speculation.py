@@ -28,8 +28,12 @@ import torch
 from torch import Tensor
 
 from swaserve.engine.request import Request
+from swaserve.memory.kv_pool import KVPool
+from swaserve.memory.manager import MemoryManager
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.sampler import Sampler, SamplingRow
+from swaserve.speculative.dflash_config import check_num_draft_tokens
+from swaserve.speculative.dflash_proposer import DFlashProposer
 from swaserve.speculative.metrics import SpecStats
 from swaserve.speculative.ngram import NgramDrafter
 from swaserve.speculative.verify import verify_drafts
@@ -47,19 +51,33 @@ class Verified:
 
 
 class Speculation:
-    def __init__(self, config, sampler: Sampler, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config,
+        sampler: Sampler,
+        max_model_len: int,
+        memory: MemoryManager | None = None,
+        kv: KVPool | None = None,
+        dflash: DFlashProposer | None = None,
+    ) -> None:
+        """`dflash`: the DFlash proposer (its drafter's K/V in `kv`, pages from `memory`);
+        otherwise the n-gram drafter. `drafter` (an object with `propose(tokens, k)`) wins
+        over DFlash when set (tests plant oracle drafters there)."""
         algo = config.speculative_algorithm
+        self.dflash = dflash
+        self.drafter = None
         if algo == "ngram":
             self.drafter = NgramDrafter(config.speculative_ngram_min, config.speculative_ngram_max)
             self.k = config.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFTS
+        elif algo == "dflash" and dflash is not None:
+            self.k = check_num_draft_tokens(config.speculative_num_draft_tokens, dflash.cfg)
         else:
-            raise ValueError(
-                f"--speculative-algorithm {algo}: not available in this build (ngram is)"
-            )
+            raise ValueError(f"--speculative-algorithm {algo}: not available in this build")
         # a verify chunk is at most the token budget
         self.k = min(self.k, config.max_num_batched_tokens - 1)
         self.sampler = sampler
         self.max_model_len = max_model_len
+        self.memory, self.kv = memory, kv
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}  # request -> (tokens, count)
 
     # ---- before the step ------------------------------------------------------------------
@@ -67,6 +85,7 @@ class Speculation:
     def propose(self, running: list[Request]) -> None:
         """Drafts for every running request in decode (the rest get none)."""
         arrays = {}
+        batch: list[tuple[Request, int]] = []  # DFlash: drafted together below
         for req in running:
             req.draft_token_ids = []
             if req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids:
@@ -76,10 +95,18 @@ class Speculation:
                 req.max_tokens - len(req.output_token_ids) - 1,
                 self.max_model_len - req.num_tokens - 1,
             )
-            if k > 0:
-                tokens = arrays[req.request_id] = self._tokens_of(req)
-                req.draft_token_ids = self.drafter.propose(tokens[0][: tokens[1]], k)
+            if k <= 0:
+                continue
+            if self.drafter is None:
+                batch.append((req, k))
+                continue
+            tokens = arrays[req.request_id] = self._tokens_of(req)
+            req.draft_token_ids = self.drafter.propose(tokens[0][: tokens[1]], k)
         self._arrays = arrays  # requests that left drop out here
+        if batch:
+            reqs, ks = [r for r, _ in batch], [k for _, k in batch]
+            for req, drafts in zip(reqs, self.dflash.propose(reqs, ks, self.memory, self.kv)):
+                req.draft_token_ids = drafts
 
     def _tokens_of(self, req: Request) -> tuple[np.ndarray, int]:
         """The request's committed tokens as an int64 array, extended in place as outputs are

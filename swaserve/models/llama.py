@@ -81,8 +81,11 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(fb.input_ids)
         x = self.layers[0].input_layernorm(h)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, next_norms, strict=True):
+        last = len(self.layers) - 1
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
             x, h = layer(fb.positions, x, h, next_norm, fb)
+            if fb.keep_layers:
+                fb.keep(i, h, x, i == last)
         return x
 
 

@@ -1,0 +1,122 @@
+"""DFlash drafting through the real engine (issue 11): the drafter's context K/V live in the
+unified pool, and
+
+- every draft the engine proposes equals the reference drafter's (`dflash` 0.1.0) on the same
+  committed tokens, with the target's hidden states from transformers: through chunked
+  prefill, verify steps, prefix hits past both windows and preemption (a small pool);
+- outputs are lossless: tokens, finish reasons and logprobs equal speculation off, with
+  accepted drafts (the targets' heads are rigged so that random drafters agree often);
+- the pool's integrity holds after every step.
+
+Tiny float32 targets from test_dflash_reference: Qwen3 (full drafter layers) and Gemma 3
+(window 6; a sliding drafter layer of window 4).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from dflash.model import _draft_value, _raw_input_embeddings
+
+from swaserve import Engine, SamplingParams
+from tests.unit.test_dflash_reference import MASK, _reference, _target
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def models(request, tmp_path_factory):
+    """(target folder, drafter folder, HF target, reference drafter)."""
+    target, ref = _target(request.param), _reference(request.param)
+    root = tmp_path_factory.mktemp(f"dflash-engine-{request.param}")
+    target.save_pretrained(root / "target")
+    ref.save_pretrained(root / "drafter")
+    return str(root / "target"), str(root / "drafter"), target, ref, request.param
+
+
+def _engine(target: str, drafter: str | None, **kw) -> Engine:
+    if drafter is not None:
+        kw.update(speculative_algorithm="dflash", speculative_draft_model=drafter)
+    eng = Engine(model=target, device="cpu", dtype="float32", page_size=PAGE, **kw)
+    step = eng.core.step
+
+    def checked_step():
+        outs = step()
+        eng.core.memory.check_integrity()
+        return outs
+
+    eng.core.step = checked_step
+    return eng
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(3, MASK) for _ in range(14)]  # past both windows
+    return [shared + [rng.randrange(3, MASK) for _ in range(n)] for n in (3, 9)] + [
+        [rng.randrange(3, MASK) for _ in range(n)] for n in (5, 17)
+    ]
+
+
+@torch.no_grad()
+def _reference_drafts(target, ref, tokens: list[int], c: int, k: int) -> list[int]:
+    """The reference's k drafts for a request committed up to c (tokens[c] the last)."""
+    hs = target(torch.tensor([tokens[:c]]), output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i + 1] for i in ref.target_layer_ids], dim=-1)
+    block = torch.tensor([[tokens[c]] + [MASK] * (ref.block_size - 1)])
+    emb = _raw_input_embeddings(target, block, _draft_value(ref.config, "input_embedding_scale",
+                                                            1.0))
+    pos = torch.arange(c + ref.block_size)[None]
+    hidden = ref(position_ids=pos, noise_embedding=emb, target_hidden=feats)[0]
+    return ref.compute_logits(hidden[1 : k + 1], target.lm_head).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_drafts_equal_reference_and_outputs_lossless(models, pool):
+    target_dir, drafter_dir, target, ref, kind = models
+    tight = {"qwen3": 0.00005, "gemma3": 0.00004}[kind]  # a few pages short: preemptions
+    kw = dict(max_num_batched_tokens=12, kv_cache_gb=0.002 if pool == "roomy" else tight)
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = _prompts()
+    off = _engine(target_dir, None, **kw)
+    want = off.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+    on = _engine(target_dir, drafter_dir, **kw)
+    proposer = on.core.spec.dflash
+    seen: list[tuple[list[int], int, list[int]]] = []
+    propose = proposer.propose
+
+    def recorded(reqs, ks, memory, kv):
+        drafts = propose(reqs, ks, memory, kv)
+        for r, k, d in zip(reqs, ks, drafts):
+            seen.append((r.tokens(0, r.num_tokens), r.num_computed_tokens, d))
+            assert len(d) == k
+        return drafts
+
+    proposer.propose = recorded
+    got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+        lg, lw = g.outputs[0].logprobs, w.outputs[0].logprobs
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(lg, lw)) < 1e-4
+    assert seen
+    for tokens, c, drafts in seen:
+        assert drafts == _reference_drafts(target, ref, tokens, c, len(drafts)), (c, tokens)
+    accepted = sum(o.spec_decoding["spec_accepted_drafts"] for o in got)
+    assert accepted > 0
+    if pool == "tight":  # the drafter's context is recomputed with the target's
+        assert on.core.scheduler.num_preemptions > 0
+
+
+def test_bad_dflash_setups_are_clear_errors(models, tmp_path):
+    target_dir, drafter_dir = models[:2]
+    with pytest.raises(ValueError, match="needs --speculative-draft-model"):
+        Engine(model=target_dir, device="cpu", speculative_algorithm="dflash")
+    with pytest.raises(ValueError, match="does not exist"):
+        Engine(model=target_dir, device="cpu", speculative_algorithm="dflash",
+               speculative_draft_model=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="speculative-num-draft-tokens 9"):
+        Engine(model=target_dir, device="cpu", speculative_algorithm="dflash",
+               speculative_draft_model=drafter_dir, speculative_num_draft_tokens=9)
