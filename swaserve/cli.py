@@ -158,6 +158,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from swaserve.speculative.train_drafter import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="swaserve")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -208,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     bs = bsub.add_parser("serve", help="load an OpenAI-compatible server, report latencies")
     add_bench_serve_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
+
+    t = sub.add_parser("train-drafter",
+                       help="train a DFlash drafter on text the target generates")
+    from swaserve.speculative.train_drafter import add_args as add_train_args
+
+    add_train_args(t)
+    t.set_defaults(func=cmd_train_drafter)
 
     args = parser.parse_args(argv)
     try:

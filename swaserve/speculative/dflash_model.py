@@ -77,7 +77,16 @@ class DFlashAttention(nn.Module):
         _, k = rotary(positions, k[:, :0], k)
         return k, v
 
-    def forward(self, x: Tensor, positions: Tensor, ctx: ContextKV, rotary: Rotary) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        ctx: ContextKV,
+        rotary: Rotary,
+        visible: Tensor | None = None,
+    ) -> Tensor:
+        """`visible` [B, T_ctx + B] (training: several blocks at once) is ANDed with the
+        positional rule: which context keys and which block rows each row may see at all."""
         b = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(b, self.num_heads, self.head_dim))
         k, v = self._keys_values(x)
@@ -85,6 +94,8 @@ class DFlashAttention(nn.Module):
         k = torch.cat((ctx.k, k))
         v = torch.cat((ctx.v, v))
         mask = self.mask(positions, torch.cat((ctx.positions, positions)))
+        if visible is not None:
+            mask = visible if mask is None else mask & visible
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1),
@@ -117,8 +128,15 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, positions: Tensor, ctx: ContextKV, rotary: Rotary) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx, rotary)
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        ctx: ContextKV,
+        rotary: Rotary,
+        visible: Tensor | None = None,
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx, rotary, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -153,14 +171,18 @@ class DFlashDrafter(nn.Module):
         return ContextKV(k, v, positions)
 
     def forward_block(
-        self, block_embeds: Tensor, block_positions: Tensor, ctx_kv: Sequence[ContextKV]
+        self,
+        block_embeds: Tensor,
+        block_positions: Tensor,
+        ctx_kv: Sequence[ContextKV],
+        visible: Tensor | None = None,
     ) -> Tensor:
         """The block's final hidden states [B, hidden], given each layer's context K/V (all
         the context a layer may see: everything for full layers, at least the window's tail
-        for sliding ones)."""
+        for sliding ones). `visible` [B, T_ctx + B]: see DFlashAttention.forward."""
         x = block_embeds
         for layer, ctx in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, block_positions, ctx, self.rotary_emb)
+            x = layer(x, block_positions, ctx, self.rotary_emb, visible)
         return self.norm(x)
 
     def forward(
