@@ -77,7 +77,8 @@ def _rope_params(config: Any, layer_type: str | None) -> dict:
 
 
 def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None) -> torch.Tensor:
-    """Inverse frequencies for rotary embedding: default, linear and llama3 scaling."""
+    """Inverse frequencies for rotary embedding: default, linear, llama3 and yarn scaling (yarn
+    also scales cos/sin: `rope_attention_scaling`)."""
     p = _rope_params(config, layer_type)
     base = float(p["rope_theta"])
     dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
@@ -97,19 +98,75 @@ def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None) -> torch.T
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(inv, p, dim, base, _yarn_factor(config, p))
     elif kind != "default":
-        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+        raise ValueError(
+            f"unsupported rope_type {kind!r} (supported: default, linear, llama3, yarn)"
+        )
     return inv
 
 
+def _yarn_factor(config: Any, p: dict) -> float:
+    factor = p.get("factor")
+    if factor is None:  # as transformers: DeepSeek-style configs give the ratio implicitly
+        factor = config.max_position_embeddings / p["original_max_position_embeddings"]
+    return float(factor)
+
+
+def _yarn_inv_freq(
+    inv: torch.Tensor, p: dict, dim: int, base: float, factor: float
+) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071) as transformers computes it: dims that turn more than `beta_fast`
+    times over the original context keep their frequency, those under `beta_slow` turns are
+    interpolated (divided by `factor`), a linear ramp in between."""
+    old_len = float(p["original_max_position_embeddings"])
+    beta_fast, beta_slow = p.get("beta_fast") or 32.0, p.get("beta_slow") or 1.0
+
+    def dim_of(turns: float) -> float:  # the dim whose wavelength fits `turns` times in old_len
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero division
+    pairs = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    return (inv / factor) * (1 - keep) + inv * keep
+
+
+def rope_attention_scaling(config: Any, layer_type: str | None) -> float:
+    """The factor transformers multiplies cos and sin by: 1 except for yarn, where it is
+    `attention_factor` or, by default, 0.1 ln(factor) + 1 (DeepSeek's mscale ratio when
+    `mscale` and `mscale_all_dim` are given)."""
+    p = _rope_params(config, layer_type)
+    if p.get("rope_type", "default") != "yarn":
+        return 1.0
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    factor = _yarn_factor(config, p)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if p.get("mscale") and p.get("mscale_all_dim"):
+        return mscale(p["mscale"]) / mscale(p["mscale_all_dim"])
+    return mscale()
+
+
 class Rotary(nn.Module):
-    """Neox-style rotary embedding (rotate_half), as Hugging Face applies it. The fused path
+    """Neox-style rotary embedding (rotate_half), as Hugging Face applies it, with cos and sin
+    multiplied by `attention_scaling` in float32 (YaRN's mscale; 1 otherwise). The fused path
     rotates q and k in place."""
 
     fused = False
 
-    def __init__(self, inv_freq: torch.Tensor) -> None:
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         super().__init__()
+        self.attention_scaling = attention_scaling
         # Kept on the host in float32: the loader builds models on the meta device and restores
         # this buffer after materialising (`restore_buffers`), never in a low-precision dtype.
         self.inv_freq_host = inv_freq.float().cpu()
@@ -124,11 +181,14 @@ class Rotary(nn.Module):
         if self.fused:
             from swaserve.ops.rotary import apply_rotary
 
-            return apply_rotary(positions, q, k, self.inv_freq)
+            return apply_rotary(positions, q, k, self.inv_freq, scale=self.attention_scaling)
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        cos = cos.to(q.dtype)[:, None, :]
+        sin = sin.to(q.dtype)[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -20,6 +20,7 @@ from swaserve.models.blocks import (
     head_dim_of,
     layer_type_names,
     layer_windows,
+    rope_attention_scaling,
     rope_inv_freq,
 )
 
@@ -40,7 +41,9 @@ class Gemma3DecoderLayer(nn.Module):
             # implementation never applies it (Gemma 2 did); match the reference.
             softcap=None,
         )
-        rotary = Rotary(rope_inv_freq(config, hd, layer_type))
+        rotary = Rotary(
+            rope_inv_freq(config, hd, layer_type), rope_attention_scaling(config, layer_type)
+        )
         self.self_attn = Attention(
             spec,
             config.hidden_size,

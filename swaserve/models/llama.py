@@ -20,6 +20,7 @@ from swaserve.models.blocks import (
     add_rmsnorm,
     head_dim_of,
     layer_windows,
+    rope_attention_scaling,
     rope_inv_freq,
 )
 
@@ -36,7 +37,7 @@ class LlamaDecoderLayer(nn.Module):
             scale=hd**-0.5,
             window=window,
         )
-        rotary = Rotary(rope_inv_freq(config, hd, None))
+        rotary = Rotary(rope_inv_freq(config, hd, None), rope_attention_scaling(config, None))
         self.self_attn = Attention(
             spec,
             config.hidden_size,

@@ -11,6 +11,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("swaserve.models.mistral", "MistralForCausalLM"),
     "Qwen3ForCausalLM": ("swaserve.models.qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("swaserve.models.gemma3", "Gemma3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("swaserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "GptOssForCausalLM": ("swaserve.models.gpt_oss", "GptOssForCausalLM"),
 }
 # Text-only configs saved without `architectures` still name their model_type.
 _MODEL_TYPES = {
@@ -18,6 +20,8 @@ _MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

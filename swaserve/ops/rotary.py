@@ -42,7 +42,7 @@ def _rotate_heads(
 def _rotary_kernel(
     Q, K, POS, INV_FREQ,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h,
-    HQ, HK, HALF,
+    HQ, HK, HALF, SCALE,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
@@ -50,8 +50,8 @@ def _rotary_kernel(
     inv_freq = tl.load(INV_FREQ + d, mask=d < HALF, other=0.0).to(tl.float32)
     freqs = tl.load(POS + t).to(tl.float32) * inv_freq
     dtype = Q.dtype.element_ty
-    cos = rounded(tl.cos(freqs), dtype)[None, :]
-    sin = rounded(tl.sin(freqs), dtype)[None, :]
+    cos = rounded(tl.cos(freqs) * SCALE, dtype)[None, :]  # SCALE: YaRN's, in float32
+    sin = rounded(tl.sin(freqs) * SCALE, dtype)[None, :]
     _rotate_heads(Q, q_stride_t, q_stride_h, t, HQ, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(K, k_stride_t, k_stride_h, t, HK, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
 
@@ -62,9 +62,11 @@ def apply_rotary(
     k: torch.Tensor,
     inv_freq: torch.Tensor,
     inplace: bool = True,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[T, H, D]` and k `[T, Hkv, D]` at `positions` `[T]`; `inv_freq` is `[rot/2]`
-    with rot <= D. In place unless `inplace=False`; returns the rotated (q, k)."""
+    with rot <= D; cos/sin are multiplied by `scale` (YaRN's attention scaling) in float32.
+    In place unless `inplace=False`; returns the rotated (q, k)."""
     t, hq, dim = q.shape
     hk = k.shape[1]
     half = inv_freq.shape[0]
@@ -80,7 +82,7 @@ def apply_rotary(
     _rotary_kernel[(t,)](
         q, k, positions, inv_freq.contiguous(),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        hq, hk, half,
+        hq, hk, half, float(scale),
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=num_warps,
     )  # fmt: skip
     return q, k

@@ -2,7 +2,11 @@
 (or random weights in real shapes with `load_format="dummy"`).
 
 Parameter names are Hugging Face's (the models keep them), so the mapping is the identity except
-for the tensors listed in `_SKIPPED`; a missing or unexpected tensor fails loudly.
+for the tensors listed in `_SKIPPED` and what a model maps itself: a model with a
+`map_checkpoint(tensors)` method receives the stream of (name, tensor) and yields
+(parameter name, index or None, tensor) targets, an index selecting the part of the parameter
+the tensor fills (one expert's rows of a fused expert weight, say). A missing tensor (a parameter
+not wholly covered) or an unexpected one fails loudly.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,29 +73,38 @@ def _safetensor_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_safetensors(model: nn.Module, folder: Path) -> None:
-    params = dict(model.named_parameters())
-    tied = getattr(model, "tie_word_embeddings", False)
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+def _checkpoint_tensors(folder: Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor the model may need, read one at a time."""
     for path in _safetensor_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if any(p.match(name) for p in _SKIPPED) or (tied and name == "lm_head.weight"):
                     continue
                 key = name[len("language_model.") :] if name.startswith("language_model.") else name
-                if key not in params:
-                    unexpected.append(name)
-                    continue
-                t = f.get_tensor(name)
-                if t.shape != params[key].shape:
-                    raise ValueError(
-                        f"tensor {name}: checkpoint shape {tuple(t.shape)} != model "
-                        f"{tuple(params[key].shape)}"
-                    )
-                params[key].data.copy_(t)
-                loaded.add(key)
-    missing = sorted(set(params) - loaded)
+                yield key, f.get_tensor(name)
+
+
+def load_safetensors(model: nn.Module, folder: Path) -> None:
+    params = dict(model.named_parameters())
+    tensors = _checkpoint_tensors(folder, getattr(model, "tie_word_embeddings", False))
+    mapper = getattr(model, "map_checkpoint", None)
+    targets = mapper(tensors) if mapper else ((k, None, t) for k, t in tensors)
+    covered: dict[str, int] = {}  # elements written per parameter
+    unexpected: list[str] = []
+    for key, index, t in targets:
+        if key not in params:
+            unexpected.append(key)
+            continue
+        dst = params[key].data if index is None else params[key].data[index]
+        if t.shape != dst.shape:
+            where = "" if index is None else f" at {index}"
+            raise ValueError(
+                f"tensor {key}{where}: checkpoint shape {tuple(t.shape)} != model "
+                f"{tuple(dst.shape)}"
+            )
+        dst.copy_(t)
+        covered[key] = covered.get(key, 0) + t.numel()
+    missing = sorted(k for k, p in params.items() if covered.get(k, 0) < p.numel())
     if missing or unexpected:
         raise ValueError(
             f"checkpoint in {folder} does not match {type(model).__name__}: "
@@ -104,13 +118,19 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
     """Random weights in real shapes, seeded, drawn on the model's device (fast on GPU)."""
     for name, p in model.named_parameters():
         gen = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
-        if p.ndim == 1:
-            # Norm weights: 1 for w-scaled norms, 0 for Gemma's (1 + w); biases and sinks 0.
+        if p.ndim == 1 or _is_zero_init(model, name):
+            # Norm weights: 1 for w-scaled norms, 0 for Gemma's (1 + w); biases and sinks 0
+            # (and what a module lists in `zero_init`: the MoE experts' [E, n] biases).
             unit_offset = name.endswith("norm.weight") and _is_unit_offset(model, name)
             fill = 1.0 if name.endswith("norm.weight") and not unit_offset else 0.0
             p.fill_(fill)
         else:
             p.normal_(0.0, 0.02, generator=gen)
+
+
+def _is_zero_init(model: nn.Module, param_name: str) -> bool:
+    owner, _, leaf = param_name.rpartition(".")
+    return leaf in getattr(model.get_submodule(owner), "zero_init", ())
 
 
 def _is_unit_offset(model: nn.Module, param_name: str) -> bool:

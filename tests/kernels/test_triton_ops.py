@@ -163,6 +163,22 @@ def test_triton_rotary(hq, hk, d, rot, t, dtype):
     assert torch.equal(q[..., rot:], q_in[..., rot:])  # the pass-through dims stay bit for bit
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_rotary_yarn_scale(dtype):
+    """YaRN's attention scaling multiplies cos and sin (gpt-oss: 0.1 ln 32 + 1): the kernel
+    scales them in float32 before rounding, as the eager Rotary does."""
+    t, hq, hk, d = 9, 4, 2, 64
+    q, k = _randn(t, hq, d, dtype=dtype, seed=15), _randn(t, hk, d, dtype=dtype, seed=16)
+    positions = torch.arange(3, 3 + 7 * t, 7, device=DEVICE)
+    rotary = Rotary(_inv_freq(d), attention_scaling=1.3466).to(DEVICE)
+    want_q, want_k = rotary(positions, q, k)
+    got_q, got_k = apply_rotary(positions, q, k, rotary.inv_freq, inplace=False, scale=1.3466)
+    _close(got_q, want_q)
+    _close(got_k, want_k)
+    plain_q, _ = Rotary(_inv_freq(d)).to(DEVICE)(positions, q, k)
+    assert not torch.allclose(plain_q, want_q)  # the scale shows
+
+
 def test_triton_rotary_strided():
     """q and k as views of one packed qkv row (head stride D, token stride (Hq + 2 Hkv) D)."""
     t, hq, hk, d = 6, 4, 2, 32
