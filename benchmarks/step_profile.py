@@ -7,8 +7,8 @@ Each engine step is timed by phase on the host (schedule, page moves, launch = b
 + forward and sampling enqueued, resolve = waiting for the tokens and committing them, retire)
 and on the device (CUDA events around the launched work). Steps are split by kind: decode
 steps through a decode CUDA graph, and the others (prefill chunks, mixed batches, decode
-batches above the decode graphs' buckets: piecewise graphs up to their token limit, else eager). The GPU's busy
-share is its event time over the wall time.
+batches above the decode graphs' buckets: piecewise graphs up to their token limit, else
+eager). The GPU's busy share is its event time over the wall time.
 
 Prints a table last; JSON to $OUT/step_profile.json.
 Usage: PYTHONPATH=. python benchmarks/step_profile.py [--num-prompts 1000] [--max-steps N]

@@ -1,8 +1,9 @@
 """Fused Triton kernels for the shared model blocks, as a removable layer (docs/architecture.md §7).
 
-`enable_fused_ops(model)` switches a built model's RMSNorm, Rotary, GatedMLP and Attention
-modules to the kernels here (rmsnorm.py, rotary.py, activation.py) and to merged q/k/v and
-gate/up GEMMs (merge.py); without it every block runs its eager torch code, the reference.
+`enable_fused_ops(model)` switches a built model's RMSNorm, Rotary, GatedMLP, Attention and
+SparseMoE modules to the kernels here (rmsnorm.py, rotary.py, activation.py, fused_moe.py) and
+to merged q/k/v and gate/up GEMMs (merge.py); without it every block runs its eager torch
+code, the reference.
 Importing this package does not import Triton.
 """
 
@@ -17,9 +18,11 @@ def enable_fused_ops(model: nn.Module, enabled: bool = True) -> int:
     dict is unchanged, no weight memory is added); the merged layout stays when disabling, the
     eager path reads the same memory through the per-projection views."""
     from swaserve.models.blocks import Attention, GatedMLP, RMSNorm, Rotary
+    from swaserve.models.moe import SparseMoE
 
     if enabled:  # import Triton and the kernels now, not inside the first forward
         import swaserve.ops.activation  # noqa: F401
+        import swaserve.ops.fused_moe  # noqa: F401
         import swaserve.ops.rmsnorm  # noqa: F401
         import swaserve.ops.rotary  # noqa: F401
         from swaserve.ops.merge import merge_projections
@@ -27,7 +30,7 @@ def enable_fused_ops(model: nn.Module, enabled: bool = True) -> int:
         merge_projections(model)
     switched = 0
     for module in model.modules():
-        if isinstance(module, (RMSNorm, Rotary, GatedMLP, Attention)):
+        if isinstance(module, (RMSNorm, Rotary, GatedMLP, Attention, SparseMoE)):
             module.fused = enabled
             switched += 1
     return switched
