@@ -50,6 +50,16 @@ class ContextKV(NamedTuple):
     positions: Tensor  # [T] int64
 
 
+class BatchedContext(NamedTuple):
+    """One draft layer's context K/V of R requests, padded to C: rows past a request's own
+    context have `valid` False (their keys are never seen)."""
+
+    k: Tensor  # [R, C, Hkv, D]
+    v: Tensor  # [R, C, Hkv, D]
+    positions: Tensor  # [R, C] int64
+    valid: Tensor  # [R, C] bool
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
         super().__init__()
@@ -106,12 +116,41 @@ class DFlashAttention(nn.Module):
         )
         return self.o_proj(out.transpose(0, 1).reshape(b, self.num_heads * self.head_dim))
 
+    def forward_batched(
+        self, x: Tensor, positions: Tensor, ctx: BatchedContext, rotary: Rotary
+    ) -> Tensor:
+        """R blocks at once: x [R, B, hidden], positions [R, B]; each block sees its own
+        valid context and its own rows (the positional rule on top)."""
+        r, b, _ = x.shape
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        flat = x.reshape(r * b, -1)
+        q = self.q_norm(self.q_proj(flat).view(r * b, h, d))
+        k, v = self._keys_values(flat)
+        q, k = rotary(positions.reshape(-1), q, k)
+        keys = torch.cat((ctx.k, k.view(r, b, hkv, d)), dim=1)
+        values = torch.cat((ctx.v, v.view(r, b, hkv, d)), dim=1)
+        k_pos = torch.cat((ctx.positions, positions), dim=1)
+        own = torch.ones(r, b, dtype=torch.bool, device=x.device)
+        mask = torch.cat((ctx.valid, own), dim=1)[:, None, :].expand(r, b, -1)
+        rule = self.mask(positions, k_pos)
+        if rule is not None:
+            mask = mask & rule
+        out = F.scaled_dot_product_attention(
+            q.view(r, b, h, d).transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=d**-0.5,
+            enable_gqa=True,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(r, b, h * d))
+
     def mask(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         """[B, Tk] bool, True where the query sees the key (the module docstring's rule);
         None for a full non-causal layer, which sees everything."""
         if not self.causal and self.window is None:
             return None
-        dist = q_pos[:, None] - k_pos[None, :]  # q - k
+        dist = q_pos[..., :, None] - k_pos[..., None, :]  # q - k (batched: [R, B, Tk])
         visible = dist >= 0 if self.causal else torch.ones_like(dist, dtype=torch.bool)
         if self.window is not None:
             visible &= dist < self.window
@@ -127,6 +166,12 @@ class DFlashLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward_batched(
+        self, x: Tensor, positions: Tensor, ctx: BatchedContext, rotary: Rotary
+    ) -> Tensor:
+        x = x + self.self_attn.forward_batched(self.input_layernorm(x), positions, ctx, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(
         self,
@@ -183,6 +228,15 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         for layer, ctx in zip(self.layers, ctx_kv, strict=True):
             x = layer(x, block_positions, ctx, self.rotary_emb, visible)
+        return self.norm(x)
+
+    def forward_blocks(
+        self, block_embeds: Tensor, block_positions: Tensor, ctx: Sequence[BatchedContext]
+    ) -> Tensor:
+        """R blocks' final hidden states [R, B, hidden] (`forward_block` for a batch)."""
+        x = block_embeds
+        for layer, c in zip(self.layers, ctx, strict=True):
+            x = layer.forward_batched(x, block_positions, c, self.rotary_emb)
         return self.norm(x)
 
     def forward(

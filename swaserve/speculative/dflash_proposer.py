@@ -16,9 +16,12 @@ Drafting. A request committed up to c (its last token x_c not yet run by the tar
 the block [x_c, mask x (B - 1)] at positions c..c+B-1 over its context keys 0..c-1 (a
 sliding layer: c-W+1..c-1) read from the pool; rows 1..k give its k drafts (argmax: one-hot q).
 
-Partial (written down, not hidden): one block forward per request (no batching across
-requests yet), attention in torch, drafts read back with one extra device sync per step, and
-no CUDA graphs while DFlash is on (EngineCore captures none).
+Drafting is batched: requests in chunks of at most CONTEXT_ROWS padded context rows, each
+chunk one drafter forward (torch attention over contexts gathered from the pool and padded).
+
+Partial (written down, not hidden): attention in torch over gathered contexts (not the paged
+kernel), drafts read back with one extra device sync per step, and no CUDA graphs while
+DFlash is on (EngineCore captures none).
 """
 
 from __future__ import annotations
@@ -30,7 +33,11 @@ from swaserve.engine.request import Request
 from swaserve.memory.groups import GroupLayout
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager
-from swaserve.speculative.dflash_model import ContextKV, DFlashDrafter
+from swaserve.speculative.dflash_model import BatchedContext, DFlashDrafter
+
+# Padded context rows (requests x longest context) drafted in one forward: bounds the gathered
+# K/V (x layers x heads x dims) and the score matrix.
+CONTEXT_ROWS = 1 << 16
 
 
 class DFlashProposer:
@@ -89,36 +96,79 @@ class DFlashProposer:
     def propose(
         self, requests: list[Request], ks: list[int], memory: MemoryManager, kv: KVPool
     ) -> list[list[int]]:
-        """k drafts per request (requests in decode: committed up to num_computed_tokens)."""
-        cfg, ps = self.cfg, self.page_size
-        b = cfg.block_size
-        rows = []
-        for req, k in zip(requests, ks):
-            c = req.num_computed_tokens
-            tables = memory.page_table(req.request_id)
-            ctx_kv = []
-            for j, layer_id in enumerate(self.pool_layer_ids):
-                window = cfg.layer_windows[j]
-                lo = 0 if window is None else max(0, c - (window - 1))
-                table = tables[self.layout.layer_to_group[layer_id]]
-                slots = torch.tensor(
-                    [table[p // ps] * ps + p % ps for p in range(lo, c)], dtype=torch.int64
-                )
-                keys, values = kv.read(layer_id, slots.to(kv.kv.device))
-                positions = torch.arange(lo, c, device=self.embedding.device)
-                ctx_kv.append(ContextKV(keys.to(self.dtype), values.to(self.dtype), positions))
-            block = [req.tokens(c, c + 1)[0]] + [cfg.mask_token_id] * (b - 1)
-            ids = torch.tensor(block, device=self.embedding.device)
-            embeds = self.drafter.embed_block(ids, self.embedding).to(self.dtype)
-            positions = torch.arange(c, c + b, device=self.embedding.device)
-            hidden = self.drafter.forward_block(embeds, positions, ctx_kv)
-            logits = self.drafter.compute_logits(hidden[1 : k + 1], self.head.to(self.dtype))
-            rows.append(logits.argmax(-1))
-        if not rows:
+        """k drafts per request (requests in decode: committed up to num_computed_tokens):
+        one batched block forward per chunk of requests, one device-to-host copy in all."""
+        drafts: list[Tensor] = []
+        i = 0
+        while i < len(requests):
+            j, longest = i, 0
+            while j < len(requests):  # chunks of at most CONTEXT_ROWS padded context rows
+                longest = max(longest, requests[j].num_computed_tokens)
+                if j > i and (j - i + 1) * longest > CONTEXT_ROWS:
+                    break
+                j += 1
+            drafts.append(self._propose_chunk(requests[i:j], ks[i:j], memory, kv))
+            i = j
+        if not drafts:
             return []
-        flat = torch.cat(rows).tolist()  # the drafts on the host: one sync for the step
+        flat = torch.cat(drafts).tolist()  # the drafts on the host: one sync for the step
         out, start = [], 0
         for k in ks:
             out.append(flat[start : start + k])
             start += k
         return out
+
+    def _propose_chunk(
+        self, requests: list[Request], ks: list[int], memory: MemoryManager, kv: KVPool
+    ) -> Tensor:
+        cfg, dev = self.cfg, self.embedding.device
+        b, r = cfg.block_size, len(requests)
+        starts = torch.tensor([q.num_computed_tokens for q in requests])
+        tables = [memory.page_table(q.request_id) for q in requests]
+        ctx = [
+            self._context(j, layer_id, starts, tables, kv)
+            for j, layer_id in enumerate(self.pool_layer_ids)
+        ]
+        block = torch.full((r, b), cfg.mask_token_id, dtype=torch.int64)
+        block[:, 0] = torch.tensor([q.tokens(c, c + 1)[0] for q, c in zip(requests, starts)])
+        embeds = self.drafter.embed_block(block.to(dev), self.embedding).to(self.dtype)
+        positions = (starts[:, None] + torch.arange(b)[None, :]).to(dev)
+        hidden = self.drafter.forward_blocks(embeds, positions, ctx)  # [R, B, hidden]
+        k_max = max(ks)
+        logits = self.drafter.compute_logits(hidden[:, 1 : k_max + 1], self.head)
+        ids = logits.argmax(-1)  # [R, k_max]
+        keep = torch.arange(k_max)[None, :] < torch.tensor(ks)[:, None]
+        return ids[keep.to(dev)]
+
+    def _context(
+        self,
+        j: int,
+        layer_id: int,
+        starts: Tensor,
+        tables: list[list[list[int]]],
+        kv: KVPool,
+    ) -> BatchedContext:
+        """Drafter layer j's context K/V of each request, read from the pool: positions
+        [lo, c) with lo = 0, or c - (window - 1) for a sliding layer."""
+        window, ps = self.cfg.layer_windows[j], self.page_size
+        lo = torch.zeros_like(starts) if window is None else (starts - (window - 1)).clamp_min(0)
+        lengths = starts - lo
+        width = max(1, int(lengths.max()))
+        positions = lo[:, None] + torch.arange(width)[None, :]  # [R, C]
+        valid = torch.arange(width)[None, :] < lengths[:, None]
+        group = self.layout.layer_to_group[layer_id]
+        rows = [t[group] for t in tables]
+        pages = max(len(row) for row in rows)
+        table = torch.tensor([row + [0] * (pages - len(row)) for row in rows], dtype=torch.int64)
+        index = (positions // ps).clamp_max(pages - 1)
+        slots = table.gather(1, index) * ps + positions % ps
+        slots = torch.where(valid, slots, 0)  # padding reads the NULL page, never seen
+        dev = kv.kv.device
+        keys, values = kv.read(layer_id, slots.view(-1).to(dev))
+        shape = (len(rows), width, *keys.shape[1:])
+        return BatchedContext(
+            keys.view(shape).to(self.dtype),
+            values.view(shape).to(self.dtype),
+            positions.to(dev),
+            valid.to(dev),
+        )
