@@ -135,11 +135,10 @@ class EngineCore:
             self.spec = Speculation(config, self.sampler, self.max_model_len, self.memory,
                                     self.kv, self._dflash_proposer())
         self.overlap = not config.disable_overlap_schedule and self.spec is None
+        if self.dflash_config is not None:  # every path hands the drafter these outputs
+            self.runner.keep = self.dflash_config.target_layer_ids
         if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
-            if self.dflash_config is not None:  # the graphs keep no target hidden states yet
-                log.warning("no CUDA graphs with DFlash drafting yet: running eager")
-            else:
-                self._capture_graphs(backend)
+            self._capture_graphs(backend)
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None
         self._num_history_requests = 0  # live requests whose sampling reads token values
@@ -230,8 +229,10 @@ class EngineCore:
             return
         hf = self.hf_config
         shape = (hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf))
+        keep = self.runner.keep
         graphs = DecodeGraphs(
-            self.model, backend, self.kv, self.config.cuda_graph_max_bs, self.max_model_len, shape
+            self.model, backend, self.kv, self.config.cuda_graph_max_bs, self.max_model_len, shape,
+            keep_layers=keep,
         )
         graphs.capture()
         self.runner.graphs = graphs
@@ -239,13 +240,13 @@ class EngineCore:
         if max_tokens:
             from swaserve.engine.piecewise_graph import PiecewiseGraphs
 
-            pieces = PiecewiseGraphs(self.model, backend, self.kv, max_tokens, shape)
+            pieces = PiecewiseGraphs(self.model, backend, self.kv, max_tokens, shape, keep)
             pieces.capture()
             self.runner.piecewise = pieces
         if self.spec is not None and self.spec.k > 0:
             verify = DecodeGraphs(
                 self.model, backend, self.kv, self.config.cuda_graph_max_bs, self.max_model_len,
-                shape, tokens_per_request=self.spec.k + 1,
+                shape, tokens_per_request=self.spec.k + 1, keep_layers=keep,
             )
             verify.capture()
             self.runner.verify_graphs = verify
@@ -365,22 +366,19 @@ class EngineCore:
             logits = self.runner.verify_logits(batch, self.memory)
         if logits is None:
             fb = self.runner.prepare(batch, self.memory, fill)
-            dflash = self.spec.dflash if self.spec is not None else None
-            if dflash is not None:
-                fb.keep_layers = dflash.keep_layers
             hidden = self.runner.forward(fb)
-            if dflash is not None:  # the drafter's context K/V of the tokens just computed
-                dflash.store_context(
-                    [r.num_computed_tokens for r in batch.requests], list(batch.num_new_tokens),
-                    [self.memory.page_table(r.request_id) for r in batch.requests],
-                    fb.layer_outputs, self.kv,
-                )
             if samplers:
                 # Not torch.tensor(rows, device=...): that copy blocks the host until the step
                 # in flight is done, which would undo the overlap.
                 idx = torch.tensor(rows).to(self.device, non_blocking=True)
                 logits = self.runner.logits(hidden[idx])
             self._prompt_logprobs(batch, hidden)
+        if self.runner.keep:  # DFlash: the drafter's context K/V of the tokens just computed
+            self.spec.dflash.store_context(
+                [r.num_computed_tokens for r in batch.requests], list(batch.num_new_tokens),
+                [self.memory.page_table(r.request_id) for r in batch.requests],
+                self.runner.kept, self.kv,
+            )
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         if not samplers:

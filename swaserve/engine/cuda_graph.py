@@ -50,6 +50,7 @@ class DecodeGraphs:
         max_model_len: int,
         spec_shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim)
         tokens_per_request: int = 1,
+        keep_layers: tuple[int, ...] = (),  # layer outputs captured too (DFlash), in order
     ) -> None:
         self.model, self.backend, self.kv = model, backend, kv
         dev = backend.device
@@ -82,6 +83,9 @@ class DecodeGraphs:
             self.splits[bs] = choose_num_splits(bs, hkv, q, longest, cfg.block_q, _num_sms(dev))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.keep_layers = keep_layers
+        self.kept: dict[int, torch.Tensor] = {}  # bucket -> [bs * q, len(keep) * hidden]
+        self.last_bucket: int | None = None
         self.pool = None
 
     def _batch(self, bs: int) -> ForwardBatch:
@@ -100,7 +104,8 @@ class DecodeGraphs:
             num_splits=self.splits[bs],
         )
         return ForwardBatch(
-            self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv
+            self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv,
+            keep_layers=frozenset(self.keep_layers),
         )
 
     @torch.inference_mode()
@@ -115,6 +120,10 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     out = self.model.compute_logits(self.model(fb)).float()
+                    if self.keep_layers:
+                        self.kept[bs] = torch.cat(
+                            [fb.layer_outputs[i] for i in self.keep_layers], dim=-1
+                        )
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, out
@@ -165,6 +174,7 @@ class DecodeGraphs:
             self.tables[g][:bs, :width].copy_(table, non_blocking=True)
             self.slots[g][:bs].copy_(slots, non_blocking=True)
         self.graphs[bs].replay()
+        self.last_bucket = bs
         return self.outputs[bs][:n]
 
     def run_chunks(
@@ -207,4 +217,14 @@ class DecodeGraphs:
             self.tables[g][:bs, :width].copy_(table, non_blocking=True)
             self.slots[g][:t].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
         self.graphs[bs].replay()
+        self.last_bucket = bs
         return self.outputs[bs][: n * q].view(n, q, -1)
+
+    def kept_rows(self, lengths: list[int]) -> torch.Tensor:
+        """The kept layer outputs of the last replay, real rows only: request r's first
+        lengths[r] of its q rows, in batch order."""
+        kept = self.kept[self.last_bucket]
+        q = self.q
+        if all(n == q for n in lengths):
+            return kept[: len(lengths) * q]
+        return torch.cat([kept[r * q : r * q + n] for r, n in enumerate(lengths)])

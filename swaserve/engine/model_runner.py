@@ -24,6 +24,10 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once captured (swaserve/engine/cuda_graph.py)
         self.verify_graphs = None  # the same, K + 1 tokens per request (speculative decoding)
         self.piecewise = None  # PiecewiseGraphs (engine/piecewise_graph.py): the other steps
+        # Layers whose outputs a step also returns (DFlash's target_layer_ids, in order), and
+        # those outputs of the last step, concatenated: [its tokens, len(keep) * hidden].
+        self.keep: tuple[int, ...] = ()
+        self.kept: torch.Tensor | None = None
 
     def decode_logits(
         self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None
@@ -36,12 +40,15 @@ class ModelRunner:
         reqs = batch.requests
         if any(r.num_computed_tokens + 1 != r.num_tokens for r in reqs):
             return None
-        return g.run(
+        logits = g.run(
             [r.tokens(r.num_computed_tokens, r.num_tokens)[0] for r in reqs],
             [r.num_computed_tokens for r in reqs],
             [memory.page_table(r.request_id) for r in reqs],
             fill,
         )
+        if self.keep:
+            self.kept = g.kept_rows([1] * len(reqs))
+        return logits
 
     def verify_logits(self, batch: ScheduledBatch, memory: MemoryManager) -> torch.Tensor | None:
         """Speculative decoding: the logits of each request's verify rows, packed in batch
@@ -61,6 +68,8 @@ class ModelRunner:
             [r.num_computed_tokens for r in reqs],
             [memory.page_table(r.request_id) for r in reqs],
         )
+        if self.keep:
+            self.kept = g.kept_rows(list(ns))
         if all(n == g.q for n in ns):
             return logits.view(-1, logits.shape[-1])
         return torch.cat([logits[i, :n] for i, n in enumerate(ns)])
@@ -98,9 +107,17 @@ class ModelRunner:
         """Hidden states `[T, hidden]`; through piecewise graphs a view of a static buffer, valid
         until the next forward is enqueued (use it, or clone it, within the step)."""
         pw = self.piecewise
-        if pw is not None and fb.input_ids.shape[0] <= pw.max_tokens:
-            return pw.run(fb)
-        return self.model(fb)
+        t = fb.input_ids.shape[0]
+        if pw is not None and t <= pw.max_tokens:
+            hidden = pw.run(fb)
+            if self.keep:
+                self.kept = pw.kept_rows(t)
+            return hidden
+        fb.keep_layers = frozenset(self.keep)
+        hidden = self.model(fb)
+        if self.keep:
+            self.kept = torch.cat([fb.layer_outputs[i] for i in self.keep], dim=-1)
+        return hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -100,6 +100,7 @@ class PiecewiseGraphs:
         kv: KVPool,
         max_tokens: int,
         attn_shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim), largest layer
+        keep_layers: tuple[int, ...] = (),  # layer outputs captured too (DFlash), in order
     ) -> None:
         self.model, self.backend, self.kv = model, backend, kv
         dev = backend.device
@@ -117,6 +118,9 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.sites: list[_Site] = []
+        self.keep_layers = keep_layers
+        self.kept: dict[int, torch.Tensor] = {}  # bucket -> [t, len(keep) * hidden]
+        self.last_bucket: int | None = None
         self.pool = None
 
     def views(
@@ -139,7 +143,8 @@ class PiecewiseGraphs:
         with torch.cuda.stream(stream):
             for t in reversed(self.buckets):  # largest first: the others fit in its memory
                 split = _Splitter(self)
-                fb = ForwardBatch(self.input_ids[:t], self.positions[:t], split, None, self.kv)
+                fb = ForwardBatch(self.input_ids[:t], self.positions[:t], split, None, self.kv,
+                                  keep_layers=frozenset(self.keep_layers))
                 for _ in range(2):  # warm up: Triton compiles, the allocator settles
                     split.sites = []
                     self.model(fb)
@@ -148,6 +153,10 @@ class PiecewiseGraphs:
                 split.graphs = [first]
                 first.capture_begin(pool=self.pool)
                 hidden = self.model(fb)
+                if self.keep_layers:  # still inside the last piece's capture
+                    self.kept[t] = torch.cat(
+                        [fb.layer_outputs[i] for i in self.keep_layers], dim=-1
+                    )
                 split.graphs[-1].capture_end()
                 if not self.sites:
                     self.sites = split.sites
@@ -180,4 +189,9 @@ class PiecewiseGraphs:
             q, k, v, out = self.views(t, site.spec)
             backend.forward(q, k, v, site.spec, site.sinks, fb, out=out)
         graphs[-1].replay()
+        self.last_bucket = bucket
         return self.outputs[bucket][:t]
+
+    def kept_rows(self, t: int) -> torch.Tensor:
+        """The kept layer outputs of the last replay's t real rows."""
+        return self.kept[self.last_bucket][:t]

@@ -19,9 +19,12 @@ sliding layer: c-W+1..c-1) read from the pool; rows 1..k give its k drafts (argm
 Drafting is batched: requests in chunks of at most CONTEXT_ROWS padded context rows, each
 chunk one drafter forward (torch attention over contexts gathered from the pool and padded).
 
+The target's outputs come from every step path (eager, piecewise, decode and verify
+graphs: `ModelRunner.keep`/`kept`).
+
 Partial (written down, not hidden): attention in torch over gathered contexts (not the paged
-kernel), drafts read back with one extra device sync per step, and no CUDA graphs while
-DFlash is on (EngineCore captures none).
+kernel), drafts read back with one extra device sync per step, and the drafter itself runs
+eagerly (not in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ class DFlashProposer:
         self.layout = layout
         self.page_size = page_size
         self.pool_layer_ids = [num_target_layers + i for i in range(self.cfg.num_layers)]
-        self.keep_layers = frozenset(self.cfg.target_layer_ids)
         inner = target.model
         self.embedding = inner.embed_tokens.weight
         # The reference uses the target's raw head (no final softcap of the target's own).
@@ -68,13 +70,13 @@ class DFlashProposer:
         starts: list[int],
         counts: list[int],
         page_tables: list[list[list[int]]],
-        layer_outputs: dict[int, Tensor],
+        features: Tensor,
         kv: KVPool,
     ) -> None:
         """Context K/V of the tokens a target forward computed: request r's `counts[r]` tokens
-        from position `starts[r]`, rows in batch order in `layer_outputs`."""
-        feats = torch.cat([layer_outputs[i] for i in self.cfg.target_layer_ids], dim=-1)
-        ctx = self.drafter.project_context(feats.to(self.dtype))
+        from position `starts[r]`; `features` [tokens, n_ids * hidden] in batch order, the
+        target's outputs after target_layer_ids concatenated (ModelRunner.kept)."""
+        ctx = self.drafter.project_context(features.to(self.dtype))
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
         dev_positions = positions.to(ctx.device)
         for j, layer_id in enumerate(self.pool_layer_ids):
