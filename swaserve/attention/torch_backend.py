@@ -31,10 +31,9 @@ class TorchGroupMetadata:
     context_lens: list[int]  # per request: position of its first new token
     seq_lens: list[int]  # per request: context + new tokens
     device: torch.device
-    # (request, layer window) -> (visible slots, [q_len, num_keys] bool mask, True = may attend)
-    _views: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )
+    # (request, layer window) -> (visible slots, [q_len, num_keys] bool mask, True = may
+    # attend); ("decode", layer window) -> decode_view's batch
+    _views: dict[tuple, tuple] = field(default_factory=dict)
 
     def visible(self, r: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots and mask of request r's keys for a layer of `window` (None: full attention)."""
@@ -53,6 +52,24 @@ class TorchGroupMetadata:
             if window is not None:
                 mask &= kpos > qpos - window
             self._views[key] = (self.kv_slots[r][start - kept :], mask.to(self.device))
+        return self._views[key]
+
+    def decode_view(self, window: int | None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The requests with one new token (decodes), batched for a layer of `window`: their
+        indices, their visible slots padded to the longest `[R, L]` (padding reads slot 0 of
+        the NULL page) and the mask `[R, 1, L]` (True = may attend; padding False)."""
+        key = ("decode", window)
+        if key not in self._views:
+            n = len(self.seq_lens)
+            rows = [r for r in range(n) if self.seq_lens[r] - self.context_lens[r] == 1]
+            views = [self.visible(r, window) for r in rows]
+            width = max((len(sl) for sl, _ in views), default=0)
+            slots = torch.zeros(len(rows), width, dtype=torch.int64, device=self.device)
+            mask = torch.zeros(len(rows), 1, width, dtype=torch.bool, device=self.device)
+            for i, (sl, m) in enumerate(views):
+                slots[i, : len(sl)] = sl
+                mask[i, :, : len(sl)] = m
+            self._views[key] = (rows, slots, mask)
         return self._views[key]
 
 
@@ -104,7 +121,21 @@ class TorchBackend(AttentionBackend):
             out = torch.empty_like(q)
         qsl = meta.query_start_loc
         fp8 = fb.kv.is_fp8
+        # Decodes in one batched call (a per-request loop costs more than the math on CPU);
+        # they read their own key from the cache like the rest, fp8 included.
+        rows, slots, mask = gm.decode_view(spec.window)  # the layer's window, not the group's
+        if len(rows) > 1:
+            keys, vals = fb.kv.read(spec.layer_id, slots.view(-1))
+            shape = (*slots.shape, *keys.shape[1:])
+            at = torch.tensor([qsl[r] for r in rows], device=q.device)
+            out[at] = attend_batched(
+                q[at][:, None], keys.view(shape), vals.view(shape), mask, spec.scale,
+                spec.softcap, sinks,
+            )[:, 0]
+        batched = set(rows) if len(rows) > 1 else set()
         for r in range(len(qsl) - 1):
+            if r in batched:
+                continue
             n = qsl[r + 1] - qsl[r]
             slots, mask = gm.visible(r, spec.window)  # the layer's window, not the group's
             keys, vals = fb.kv.read(spec.layer_id, slots)
@@ -131,17 +162,31 @@ def attend(
     GQA: query head h reads kv head h // (H // Hkv). Sinks: one extra logit per query head that
     joins the softmax denominator and contributes no value (gpt-oss).
     """
-    n, h, d = q.shape
-    hkv = k.shape[1]
-    qg = q.float().view(n, hkv, h // hkv, d)
-    s = torch.einsum("nkgd,lkd->kgnl", qg, k.float()) * scale
+    return attend_batched(q[None], k[None], v[None], mask[None], scale, softcap, sinks)[0]
+
+
+def attend_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`attend` for R independent requests: q `[R, n, H, D]`, k/v `[R, L, Hkv, D]`, mask
+    `[R, n, L]` -> `[R, n, H, D]`. Every row must see at least one key (or have a sink)."""
+    b, n, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.float().view(b, n, hkv, h // hkv, d)
+    s = torch.einsum("bnkgd,blkd->bkgnl", qg, k.float()) * scale
     if softcap:
         s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~mask, float("-inf"))
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
     if sinks is not None:
-        sink = sinks.float().view(hkv, h // hkv, 1, 1).expand(hkv, h // hkv, n, 1)
+        sink = sinks.float().view(1, hkv, h // hkv, 1, 1).expand(b, hkv, h // hkv, n, 1)
         p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
     else:
         p = torch.softmax(s, dim=-1)
-    o = torch.einsum("kgnl,lkd->nkgd", p, v.float())
-    return o.reshape(n, h, d).to(q.dtype)
+    o = torch.einsum("bkgnl,blkd->bnkgd", p, v.float())
+    return o.reshape(b, n, h, d).to(q.dtype)
