@@ -1,0 +1,126 @@
+"""DFlash on a real model: acceptance length and speed against speculation off, greedy, on
+chat prompts the drafter was not trained on (train-drafter's built-in prompts are "task about
+topic"; these are other questions), at concurrency 1 (ms/token) and at higher concurrency
+(output tok/s). The n-gram drafter on the same prompts is the baseline drafter.
+
+Correctness first: speculative greedy tokens are compared with speculation off (equal in
+float32; in bf16 a near-tie may flip, then the count of equal leading tokens is printed).
+Runs on CPU (acceptance only is meaningful there) and GPU. Prints a table last; JSON to
+$OUT/spec_dflash.json.
+Usage: PYTHONPATH=. python benchmarks/spec_dflash.py --drafter DIR [--model smollm2-135m-instruct]
+       [--tokens 128] [--concurrency 1 8 32 128] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from swaserve import Engine, SamplingParams
+
+HELD_OUT = [
+    "How do I make a good cup of tea?",
+    "What is the difference between weather and climate?",
+    "Can you explain how a refrigerator keeps food cold?",
+    "Write an email asking my landlord to fix the heating.",
+    "Why is the sky blue during the day and red at sunset?",
+    "Give me three tips for learning a new language.",
+    "What should I pack for a weekend hiking trip?",
+    "Explain recursion with a simple example in Python.",
+    "How does a bill become a law in a democracy?",
+    "What are good habits for staying healthy while working from home?",
+    "Describe the plot of a detective story set on a train.",
+    "How do vaccines train the immune system?",
+    "What is the best way to organise a small kitchen?",
+    "Explain what an API is to a non-programmer.",
+    "Why do cats purr?",
+    "How can I save money on groceries each month?",
+]
+
+
+def chat_ids(engine: Engine, n: int) -> list[list[int]]:
+    tok = engine.tokenizer
+    out = []
+    for i in range(n):
+        text = tok.apply_chat_template([{"role": "user", "content": HELD_OUT[i % len(HELD_OUT)]}],
+                                       add_generation_prompt=True, tokenize=False)
+        out.append(tok(text, add_special_tokens=False).input_ids)
+    return out
+
+
+def run(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, list, dict]:
+    p = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    sync = torch.cuda.synchronize if engine.core.device.type == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    outs = engine.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
+    sync()
+    dt = time.perf_counter() - t
+    spec = {"verify": 0, "accepted": 0}
+    for o in outs:
+        s = o.spec_decoding or {}
+        spec["verify"] += s.get("spec_verify_ct") or 0
+        spec["accepted"] += s.get("spec_accepted_drafts") or 0
+    return dt, [o.token_ids for o in outs], spec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    common = dict(device=args.device, dtype=args.dtype, seed=0)
+    if torch.cuda.is_available() and args.device in ("auto", "cuda"):
+        common["kv_cache_gb"] = 8
+    else:
+        common["kv_cache_gb"] = 1
+    engines = {
+        "off": Engine(model=args.model, **common),
+        "dflash": Engine(model=args.model, speculative_algorithm="dflash",
+                         speculative_draft_model=args.drafter, **common),
+        "ngram": Engine(model=args.model, speculative_algorithm="ngram", **common),
+    }
+    rows, record = [], {"model": args.model, "drafter": args.drafter, "runs": []}
+    for c in args.concurrency:
+        prompts = chat_ids(engines["off"], c)
+        base = None
+        for name, eng in engines.items():
+            run(eng, prompts[:1], 8)  # warm: graphs, compile
+            dt, toks, spec = run(eng, prompts, args.tokens)
+            if base is None:
+                base = (dt, toks)
+            equal = sum(
+                next((i for i, (a, b) in enumerate(zip(t, w)) if a != b), len(t))
+                for t, w in zip(toks, base[1])
+            ) / (len(toks) * args.tokens)
+            v = spec["verify"]
+            accept = (spec["accepted"] + v) / v if v else None
+            r = {"concurrency": c, "drafter": name, "seconds": dt,
+                 "ms_per_token": dt / args.tokens * 1e3, "tok_s": c * args.tokens / dt,
+                 "speedup": base[0] / dt, "accept_length": accept, "equal_leading": equal}
+            rows.append(r)
+            record["runs"].append(r)
+            print(r, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "spec_dflash.json"), "w") as f:
+            json.dump(record, f, indent=1)
+    print(f"\n{args.model}, drafter {args.drafter}, {args.tokens} greedy tokens per request")
+    print(f"{'conc':>5} {'drafter':>7} {'ms/tok':>8} {'tok/s':>8} {'speedup':>8} {'accept':>7} "
+          f"{'equal':>6}")
+    for r in rows:
+        acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
+        print(f"{r['concurrency']:5d} {r['drafter']:>7} {r['ms_per_token']:8.2f} "
+              f"{r['tok_s']:8.0f} {r['speedup']:7.2f}x {acc:>7} {r['equal_leading']:6.0%}")
+
+
+if __name__ == "__main__":
+    main()
