@@ -152,17 +152,6 @@ def _init_weights(drafter: DFlashDrafter, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
 
-def _init_final_norm(drafter: DFlashDrafter, target_norm: torch.nn.Module) -> None:
-    """The drafter's final norm starts as the target's: its output feeds the target's head,
-    whose logits are only sensible at the scale the target's own final norm gives (a norm of
-    ones made the first losses ~60 nats on SmolLM2)."""
-    w = target_norm.weight.detach().float()
-    if getattr(target_norm, "unit_offset", False):  # Gemma scales by (1 + w)
-        w = 1.0 + w
-    with torch.no_grad():
-        drafter.norm.weight.copy_(w.to(drafter.norm.weight.device))
-
-
 def _mask_token(tokenizer: Any, vocab: int) -> int:
     mask = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
     return int(mask) if mask is not None and 0 <= mask < vocab else vocab - 1
@@ -210,7 +199,6 @@ def run(args: Any) -> int:
     cfg = dflash_config_from_dict(raw, hf, source="train-drafter")
     drafter = DFlashDrafter(cfg).to(core.device)
     _init_weights(drafter, args.seed)
-    _init_final_norm(drafter, core.model.model.norm)
     drafter.rotary_emb.restore_buffers(core.device)
     inner = core.model.model
     # float32 copies made outside inference mode: autograd reads them (frozen, no grad)
