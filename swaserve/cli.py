@@ -25,15 +25,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> dict[str, Any]:
         info = FLAGS[f.name]
         g = groups[info.group]
         flag = "--" + f.name.replace("_", "-")
+        flags = (flag, info.alias) if info.alias else (flag,)
         if hints[f.name] is bool:
-            g.add_argument(flag, action="store_true", default=f.default,
+            g.add_argument(*flags, action="store_true", default=f.default,
                            help=f"{info.help} (default: {info.default or 'off'})")
             continue
         hint = str(hints[f.name])
         kind = int if "int" in hint else float if "float" in hint else str
         shown = info.default if info.default is not None else f.default
         g.add_argument(
-            flag, type=kind, default=f.default, choices=info.choices,
+            *flags, type=kind, default=f.default, choices=info.choices,
             metavar=None if info.choices else f.name.upper(),
             help=f"{info.help} (default: {shown})".replace("%", "%%"),
         )
@@ -149,7 +150,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level, served_model_name=args.served_model_name,
         playground=not args.disable_playground,
     )
-    return serve(EngineConfig(**engine_kwargs(args)), server_args)
+    config = EngineConfig(**engine_kwargs(args))
+    if config.node_rank > 0:  # another machine's tensor-parallel ranks: no HTTP, no engine core
+        import logging
+
+        from swaserve.distributed.launch import run_node
+        from swaserve.engine.engine import resolve_folder
+
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_node(config, resolve_folder(config.model))
+    return serve(config, server_args)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -61,6 +61,12 @@ class EngineConfig:
     speculative_num_draft_tokens: int | None = None
     speculative_ngram_min: int = 1  # ngram: shortest suffix to look up in the request's tokens
     speculative_ngram_max: int = 4  # ngram: longest suffix, tried first
+    # Tensor parallelism (docs/architecture.md, scale-out): one process per rank, rank 0 runs
+    # the EngineCore; the others are spawned workers holding their shard of the weights and KV.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1  # machines the ranks span (tensor_parallel_size / nnodes ranks on each)
+    node_rank: int = 0  # this machine's index; node 0 runs the engine, the others only workers
+    dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: a free local port
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -95,6 +101,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
         self._check_speculative(bad)
+        self._check_parallel(bad)
         self._check_device()
 
     def _check_speculative(self, bad) -> None:
@@ -109,6 +116,33 @@ class EngineConfig:
             raise bad("speculative_ngram_min", "must be >= 1")
         if self.speculative_ngram_max < self.speculative_ngram_min:
             raise bad("speculative_ngram_max", "must be >= --speculative-ngram-min")
+
+    def _check_parallel(self, bad) -> None:
+        """Tensor-parallel flags, and what does not run with TP > 1 yet: refused here, before
+        any process starts."""
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise bad("tensor_parallel_size", "must be >= 1")
+        if self.nnodes < 1 or tp % self.nnodes:
+            raise bad("nnodes", f"must be >= 1 and divide --tensor-parallel-size ({tp})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise bad("dist_init_addr", "must be HOST:PORT")
+        elif self.nnodes > 1:
+            raise bad("nnodes", "needs --dist-init-addr HOST:PORT (node 0's address)")
+        if tp == 1:
+            return
+        unsupported = [
+            ("speculative_algorithm", self.speculative_algorithm is not None),
+            ("host_cache_gb", self.host_cache_gb > 0),
+            ("disk_cache_dir", self.disk_cache_dir is not None),
+        ]
+        for name, on in unsupported:
+            if on:
+                raise bad(name, f"is not supported with --tensor-parallel-size {tp} yet")
 
     def _check_device(self) -> None:
         """--device names a device this torch can use: a ValueError now, not a traceback
@@ -175,7 +209,9 @@ class EngineConfig:
 # ---- --help: one line per flag, its group and choices -------------------------------------
 
 # Argument groups, in --help order (`serve` adds "server" after them).
-GROUPS = ("model", "memory", "scheduling", "GPU", "cache", "speculative decoding")
+GROUPS = (
+    "model", "memory", "scheduling", "GPU", "cache", "speculative decoding", "distributed"
+)
 
 
 class FlagInfo(NamedTuple):
@@ -183,6 +219,7 @@ class FlagInfo(NamedTuple):
     help: str  # one line, no trailing period
     choices: tuple[str, ...] | None = None  # checked by EngineConfig (None also ok if default)
     default: str | None = None  # how --help shows the default, when the value says too little
+    alias: str | None = None  # a short flag besides --the-field-name (`-tp`)
 
 
 FLAGS: dict[str, FlagInfo] = {
@@ -219,7 +256,7 @@ FLAGS: dict[str, FlagInfo] = {
     "page_size": FlagInfo("memory", "tokens per KV page"),
     "kv_cache_gb": FlagInfo(
         "memory",
-        "KV pool size in GiB",
+        "KV pool size in GiB, per tensor-parallel rank (each holds its share of the KV heads)",
         default="CUDA: what --gpu-memory-utilization leaves; CPU: 2",
     ),
     "gpu_memory_utilization": FlagInfo(
@@ -302,6 +339,22 @@ FLAGS: dict[str, FlagInfo] = {
         "speculative decoding", "ngram: shortest suffix of the request's tokens to look up"
     ),
     "speculative_ngram_max": FlagInfo("speculative decoding", "ngram: longest suffix, tried first"),
+    # distributed
+    "tensor_parallel_size": FlagInfo(
+        "distributed",
+        "ranks that split every layer's heads, MLP and vocabulary (one process and one GPU "
+        "each; gloo on CPU)",
+        alias="-tp",
+    ),
+    "nnodes": FlagInfo("distributed", "machines the tensor-parallel ranks span"),
+    "node_rank": FlagInfo(
+        "distributed", "this machine's index; node 0 runs the engine, the others its workers"
+    ),
+    "dist_init_addr": FlagInfo(
+        "distributed",
+        "HOST:PORT where the ranks meet (node 0's address)",
+        default="a free local port, one machine",
+    ),
 }
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}

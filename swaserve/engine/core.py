@@ -7,7 +7,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from swaserve.speculative.dflash_model import load_dflash_drafter
 from swaserve.speculative.dflash_proposer import DFlashProposer
 from swaserve.speculative.metrics import SpecStats
 from swaserve.weights.loader import build_model, load_hf_config
+
+if TYPE_CHECKING:
+    from swaserve.distributed.parallel_state import TPGroup
 
 log = logging.getLogger(__name__)
 _PROMPT_LOGPROB_ROWS = 256  # rows of [rows, vocab] logits computed at a time
@@ -79,6 +82,21 @@ def eos_token_ids(folder: Path, hf_config: Any) -> frozenset[int]:
 class EngineCore:
     def __init__(self, config: EngineConfig, folder: Path, server: bool = False) -> None:
         """`server`: the OpenAI server's core (its device defaults favour latency)."""
+        self.parallel = None  # TensorParallel (swaserve/distributed/launch.py) when T > 1
+        try:
+            self._start(config, folder, server)
+        except BaseException as e:
+            if self.parallel is None:
+                raise
+            # The workers are somewhere in their start-up: stop them; a start-up collective
+            # that failed because a worker died is that worker's failure.
+            failure = self.parallel.explain() if isinstance(e, RuntimeError) else None
+            self.parallel.shutdown(graceful=False)
+            if failure is None:
+                raise
+            raise failure from e
+
+    def _start(self, config: EngineConfig, folder: Path, server: bool) -> None:
         self.device = config.torch_device()
         self.config = config = config.with_device_defaults(self.device, server)
         self.dtype = config.torch_dtype()
@@ -88,8 +106,12 @@ class EngineCore:
         self.max_model_len = check_model_len(
             config.max_model_len, int(hf.max_position_embeddings)
         )
+        # Tensor parallelism: the other ranks start now and build their shards beside this one;
+        # swaserve/distributed/worker.py mirrors every collective of the start-up below (memory
+        # profile, page count, FP8 calibration), in this order.
+        tp = self._start_parallel(folder)
         self.model = build_model(
-            hf, folder, self.dtype, self.device, config.load_format == "dummy", config.seed
+            hf, folder, self.dtype, self.device, config.load_format == "dummy", config.seed, tp
         )
         if self.device.type == "cuda" and not config.disable_fused_ops:
             from swaserve.ops import enable_fused_ops
@@ -97,6 +119,10 @@ class EngineCore:
             enable_fused_ops(self.model)  # before profiling, calibration and graph capture
         self.eos_token_ids = eos_token_ids(folder, hf)
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
+        if tp is not None:  # this rank's KV heads: its pool is sized for them
+            from swaserve.distributed.layers import kv_heads_per_rank
+
+            kv_heads = kv_heads_per_rank(kv_heads, tp.size)
         # DFlash: the drafter's layers join the pool's layout after the target's.
         self.dflash_config = self._dflash_config(kv_heads, head_dim)
         windows = layer_windows(hf)
@@ -110,6 +136,8 @@ class EngineCore:
         backend = backend_class(config.backend_name())(self.layout, config.page_size, self.device)
         num_pages = max(2, int(self._kv_bytes(backend, (kv_heads, head_dim), kv_dtype)
                                // bytes_per_page))
+        if tp is not None:  # page ids mean the same on every rank: the smallest pool
+            num_pages = int(tp.agree([num_pages], "min")[0])
         self.memory = MemoryManager(
             self.layout, config.page_size, num_pages, watermark_pages=len(self.layout.groups)
         )
@@ -125,7 +153,14 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache
         )
-        self.runner = ModelRunner(self.model, self.kv, backend, self.device)
+        if self.parallel is None:
+            self.runner = ModelRunner(self.model, self.kv, backend, self.device)
+        else:
+            from swaserve.distributed.tp_runner import TPModelRunner
+
+            self.runner = TPModelRunner(self.model, self.kv, backend, self.device, self.parallel)
+            if self.cache is not None:  # copy-on-write copies: made on every rank
+                self.cache.mover.mirror = self.runner.mirror_copies
         # --seed makes unseeded sampling reproducible run to run (seeded requests use their own)
         self.sampler = Sampler(eos_token_ids=sorted(self.eos_token_ids), seed=config.seed)
         # Speculative decoding (off by default); it needs the overlap schedule off (see
@@ -138,7 +173,11 @@ class EngineCore:
         if self.dflash_config is not None:  # every path hands the drafter these outputs
             self.runner.keep = self.dflash_config.target_layer_ids
         if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
-            self._capture_graphs(backend)
+            if self.parallel is not None:
+                log.warning("no CUDA graphs with --tensor-parallel-size > 1 yet (the workers do "
+                            "not replay graphs in step with rank 0): running eager")
+            else:
+                self._capture_graphs(backend)
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None
         self._num_history_requests = 0  # live requests whose sampling reads token values
@@ -151,6 +190,41 @@ class EngineCore:
             num_pages * bytes_per_page / 1e9,
             [(g.kind, g.window, len(g.layers)) for g in self.layout.groups],
         )
+
+    def _start_parallel(self, folder: Path) -> TPGroup | None:
+        """Tensor parallelism (T > 1): check that the model splits, then start the other ranks
+        and join their group (this process is rank 0). None with one process."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return None
+        from swaserve.distributed.launch import start_tensor_parallel
+        from swaserve.distributed.layers import check_shardable
+
+        if self.config.node_rank > 0:
+            raise ValueError(
+                f"--node-rank {self.config.node_rank} runs only tensor-parallel workers: start "
+                "that node with `swaserve serve --node-rank ...`; node 0 runs the engine"
+            )
+        check_shardable(self.hf_config, size)
+        if self.device.type == "cuda" and self.device.index not in (None, 0):
+            raise ValueError(
+                f"--device {self.config.device} with --tensor-parallel-size {size}: rank r "
+                "uses cuda:r; give --device cuda (CUDA_VISIBLE_DEVICES picks the GPUs)"
+            )
+        self.parallel = start_tensor_parallel(self.config, folder)
+        return self.parallel.tp
+
+    def check_ranks(self) -> None:
+        """RankFailure (swaserve/distributed/launch.py) when a tensor-parallel rank died;
+        nothing to check with one process."""
+        if self.parallel is not None:
+            self.parallel.check()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (also done when the core is collected or the
+        process exits); the core cannot step afterwards. Nothing to do with one process."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def _dflash_config(self, kv_heads: int, head_dim: int) -> DFlashConfig | None:
         c = self.config
@@ -216,6 +290,8 @@ class EngineCore:
             self.model, self.layout, self.config.page_size, kv_heads, head_dim, self.dtype,
             self.device, self.hf_config.vocab_size, self.config.seed,
         )
+        if self.parallel is not None:  # each rank saw its heads: the largest over all of them
+            ks, vs = agree_kv_scales(self.parallel.tp, ks, vs)
         self.kv.set_scales(ks, vs)
         log.info("fp8 KV scales calibrated: k %.3g..%.3g, v %.3g..%.3g",
                  min(ks), max(ks), min(vs), max(vs))
@@ -257,26 +333,17 @@ class EngineCore:
         eager launches, ~25 ms, hide behind ~30+ ms of GEMMs), and each bucket costs ~1 s of
         capture at start."""
         c = self.config
-        if self.device.type != "cuda" or c.cuda_graph_max_bs == 0:
+        if self.device.type != "cuda" or c.cuda_graph_max_bs == 0 or c.tensor_parallel_size > 1:
             return 0
         if c.piecewise_cuda_graph_max_tokens is not None:
             return min(c.max_num_batched_tokens, c.piecewise_cuda_graph_max_tokens)
         return min(c.max_num_batched_tokens, PIECEWISE_DEFAULT_MAX_TOKENS)
 
     def _kv_bytes(self, backend: Any, kv_shape: tuple[int, int], kv_dtype: torch.dtype) -> float:
-        if self.config.kv_cache_gb is not None:
-            return self.config.kv_cache_gb * 2**30
-        if self.device.type != "cuda":
-            return 2 * 2**30
-        from swaserve.engine.memory_profile import profile_kv_bytes
-
-        c = self.config
-        return profile_kv_bytes(
-            self.model, backend, self.layout, c.page_size, kv_shape, kv_dtype,
-            min(c.max_num_batched_tokens, self.max_model_len), c.max_num_seqs,
-            int(self.hf_config.vocab_size), c.gpu_memory_utilization, self.device,
-            piecewise=self._piecewise_max_tokens() > 0,
-        ).kv_bytes
+        return kv_budget_bytes(
+            self.config, self.model, backend, self.layout, kv_shape, kv_dtype, self.max_model_len,
+            int(self.hf_config.vocab_size), self.device, self._piecewise_max_tokens() > 0,
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -589,6 +656,42 @@ class EngineCore:
             stats.update(dict.fromkeys(("cache_pages", "host_pages", "cache_hit_tokens",
                                         "evictions", "host_loads", "host_load_waits"), 0))
         return stats
+
+
+def kv_budget_bytes(
+    config: EngineConfig,
+    model: Any,
+    backend: Any,
+    layout: Any,
+    kv_shape: tuple[int, int],
+    kv_dtype: torch.dtype,
+    max_model_len: int,
+    vocab_size: int,
+    device: torch.device,
+    piecewise: bool,
+) -> float:
+    """Bytes for this rank's KV pool: --kv-cache-gb, else 2 GiB on CPU, else what the memory
+    profile leaves (a forward: with tensor parallelism every rank profiles at once)."""
+    if config.kv_cache_gb is not None:
+        return config.kv_cache_gb * 2**30
+    if device.type != "cuda":
+        return 2 * 2**30
+    from swaserve.engine.memory_profile import profile_kv_bytes
+
+    c = config
+    return profile_kv_bytes(
+        model, backend, layout, c.page_size, kv_shape, kv_dtype,
+        min(c.max_num_batched_tokens, max_model_len), c.max_num_seqs, vocab_size,
+        c.gpu_memory_utilization, device, piecewise=piecewise,
+    ).kv_bytes
+
+
+def agree_kv_scales(tp: TPGroup, ks: list[float], vs: list[float]) -> tuple[list, list]:
+    """FP8 scales calibrated on each rank's heads -> the largest per layer over the ranks, as
+    one process calibrating every head would get."""
+    n = len(ks)
+    both = tp.agree(list(ks) + list(vs), "max")
+    return both[:n], both[n:]
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

@@ -79,12 +79,10 @@ class ModelRunner:
     ) -> ForwardBatch:
         """`fill`: input ids still on the device (placeholders of the step in flight)."""
         ids: list[int] = []
-        pos: list[int] = []
         ctx_lens: list[int] = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             ctx = req.num_computed_tokens
             ids += req.tokens(ctx, ctx + n)
-            pos += range(ctx, ctx + n)
             ctx_lens.append(ctx)
         inputs = AttentionInputs(
             query_lens=list(batch.num_new_tokens),
@@ -94,6 +92,14 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         if fill is not None:
             fill.apply(input_ids)
+        return self.build(input_ids, inputs)
+
+    def build(self, input_ids: torch.Tensor, inputs: AttentionInputs) -> ForwardBatch:
+        """The ForwardBatch of input ids already on the device and the step's attention inputs
+        (request r's positions run from context_lens[r] for query_lens[r] tokens)."""
+        pos: list[int] = []
+        for ctx, n in zip(inputs.context_lens, inputs.query_lens):
+            pos += range(ctx, ctx + n)
         return ForwardBatch(
             input_ids=input_ids,
             positions=torch.tensor(pos, dtype=torch.int64).to(self.device, non_blocking=True),

@@ -230,6 +230,9 @@ class PageMover:
         self.kv = kv
         self.tiers = tiers
         self.dev = _bytes(kv.kv)  # [slot, k|v, page, offset, head, byte]
+        # Tensor parallelism: called with every device copy's pages, so the other ranks make
+        # the same copy in their pools (swaserve/distributed/tp_runner.py); None: one process.
+        self.mirror: Callable[[list[int], list[int]], None] | None = None
         self.cuda = self.dev.device.type == "cuda"
         dev = self.dev.device
         self._store_stream = torch.cuda.Stream(dev) if self.cuda else None
@@ -416,6 +419,8 @@ class PageMover:
     def copy_now(self, src_pages: list[int], dst_pages: list[int]) -> None:
         """Device page copies on the current stream (copy-on-write), without a host sync."""
         if src_pages:
+            if self.mirror is not None:
+                self.mirror(src_pages, dst_pages)
             self.dev[:, :, self._index(dst_pages)] = self.dev[:, :, self._index(src_pages)]
 
     def _index(self, pages: list[int]) -> torch.Tensor:

@@ -92,6 +92,9 @@ class SparseMoE(nn.Module):
 
     fused = False
     zero_init = ("b13", "b2")  # dummy weights: biases at 0 (`weights.loader._init_dummy`)
+    # Tensor parallelism (swaserve/distributed/layers.py): every expert's slice of the
+    # intermediate dim; the partial outputs are summed by one all-reduce, b2 added by rank 0.
+    tp = None
 
     def __init__(
         self,
@@ -117,16 +120,19 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.router(x), self.top_k, self.scoring, self.renormalize)
+        b2 = self.b2 if self.tp is None or self.tp.rank == 0 else None
         if self.fused:
             from swaserve.ops.fused_moe import fused_moe
 
-            return fused_moe(
-                x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2,
+            out = fused_moe(
+                x, self.w13, self.w2, weights, ids, b13=self.b13, b2=b2,
                 activation=self.activation, limit=self.limit,
             )  # fmt: skip
-        return moe_torch(
-            x, self.w13, self.b13, self.w2, self.b2, weights, ids, self.activation, self.limit
-        )
+        else:
+            out = moe_torch(
+                x, self.w13, self.b13, self.w2, b2, weights, ids, self.activation, self.limit
+            )
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 # A checkpoint tensor's place in the model: (parameter name, index into it or None, tensor).

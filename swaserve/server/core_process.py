@@ -11,7 +11,8 @@ The loop (message kinds in `swaserve.server.ipc`):
 It never waits on HTTP: outputs go out through a PUSH socket without a high-water mark. It
 exits when told to (`shutdown`), when its parent process is gone (checked every iteration,
 at least once a second), and, after sending `dead` with the traceback, on any error inside a
-step (the frontend then answers 503 and exits). A ValueError while the core starts (a flag the
+step or on a tensor-parallel rank found dead (checked at least once a second while idle; the
+frontend then answers 503 and exits). A ValueError while the core starts (a flag the
 model or the KV pool cannot take) is sent as its one-line message, not a traceback.
 """
 
@@ -125,6 +126,8 @@ class CoreLoop:
                 log.warning("the server process is gone; engine core exits")
                 self.out.close(linger=0)  # nobody will read what is still queued
                 break
+            if not busy:  # a tensor-parallel rank that died while idle: fail now, not later
+                core.check_ranks()
             start = time.monotonic()
             outputs = core.step() if core.has_unfinished() else []
             queue_times = first_scheduled(self.queued, start) if self.queued else []

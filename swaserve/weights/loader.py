@@ -7,6 +7,13 @@ for the tensors listed in `_SKIPPED` and what a model maps itself: a model with 
 (parameter name, index or None, tensor) targets, an index selecting the part of the parameter
 the tensor fills (one expert's rows of a fused expert weight, say). A missing tensor (a parameter
 not wholly covered) or an unexpected one fails loudly.
+
+With tensor parallelism (`tp`), the model is made rank tp.rank's shard on the meta device
+(`swaserve.distributed.layers.shard_model`) and each checkpoint tensor, still addressed in the
+full parameter's coordinates, is cut to the rank's part as it is copied (`Shard.copy_into`):
+no rank holds more than its shard, one checkpoint tensor aside. Dummy weights draw the full
+tensor of every sharded parameter with the seed a single process uses, then keep the rank's part,
+so every TP size runs the same model.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -24,6 +31,10 @@ from torch import nn
 
 from swaserve.models.blocks import Rotary
 from swaserve.models.registry import model_class
+
+if TYPE_CHECKING:
+    from swaserve.distributed.parallel_state import TPGroup
+    from swaserve.distributed.sharding import Shard
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Checkpoint tensors that carry nothing the model needs.
@@ -43,17 +54,33 @@ def load_hf_config(folder: Path) -> Any:
 
 
 def build_model(
-    hf_config: Any, folder: Path, dtype: torch.dtype, device: torch.device, dummy: bool, seed: int
+    hf_config: Any,
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    dummy: bool,
+    seed: int,
+    tp: TPGroup | None = None,
 ) -> nn.Module:
+    """The model of `hf_config` with its weights; with `tp` (size > 1) rank tp.rank's shard."""
     cls = model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config)
+    shards: dict[str, Shard] = {}
+    if tp is not None and tp.size > 1:
+        from swaserve.distributed.layers import shard_model
+
+        shards = shard_model(model, tp)
     # Cast on meta first: the device never holds a float32 copy of the weights.
     model = model.to(dtype).to_empty(device=device)
+    params = dict(model.named_parameters())
+    for name, shard in shards.items():
+        if shard.kept() < params[name].numel():  # vocabulary padding: zero rows
+            params[name].data.zero_()
     if dummy:
-        _init_dummy(model, seed)
+        _init_dummy(model, seed, shards)
     else:
-        load_safetensors(model, folder)
+        load_safetensors(model, folder, shards)
     for m in model.modules():
         if isinstance(m, Rotary):
             m.restore_buffers(device)
@@ -84,7 +111,12 @@ def _checkpoint_tensors(folder: Path, tied: bool) -> Iterator[tuple[str, torch.T
                 yield key, f.get_tensor(name)
 
 
-def load_safetensors(model: nn.Module, folder: Path) -> None:
+def load_safetensors(
+    model: nn.Module, folder: Path, shards: dict[str, Shard] | None = None
+) -> None:
+    """Copy the checkpoint in `folder` into the model; `shards`: the parameters that hold one
+    rank's part of the checkpoint tensor (tensor parallelism)."""
+    shards = shards or {}
     params = dict(model.named_parameters())
     tensors = _checkpoint_tensors(folder, getattr(model, "tie_word_embeddings", False))
     mapper = getattr(model, "map_checkpoint", None)
@@ -95,6 +127,14 @@ def load_safetensors(model: nn.Module, folder: Path) -> None:
         if key not in params:
             unexpected.append(key)
             continue
+        if key in shards:
+            try:
+                n = shards[key].copy_into(params[key].data, index, t)
+            except ValueError as e:
+                where = "" if index is None else f" at {index}"
+                raise ValueError(f"tensor {key}{where}: checkpoint {e}") from None
+            covered[key] = covered.get(key, 0) + n
+            continue
         dst = params[key].data if index is None else params[key].data[index]
         if t.shape != dst.shape:
             where = "" if index is None else f" at {index}"
@@ -104,7 +144,8 @@ def load_safetensors(model: nn.Module, folder: Path) -> None:
             )
         dst.copy_(t)
         covered[key] = covered.get(key, 0) + t.numel()
-    missing = sorted(k for k, p in params.items() if covered.get(k, 0) < p.numel())
+    need = {k: shards[k].kept() if k in shards else p.numel() for k, p in params.items()}
+    missing = sorted(k for k in params if covered.get(k, 0) < need[k])
     if missing or unexpected:
         raise ValueError(
             f"checkpoint in {folder} does not match {type(model).__name__}: "
@@ -114,8 +155,10 @@ def load_safetensors(model: nn.Module, folder: Path) -> None:
 
 
 @torch.no_grad()
-def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights in real shapes, seeded, drawn on the model's device (fast on GPU)."""
+def _init_dummy(model: nn.Module, seed: int, shards: dict[str, Shard] | None = None) -> None:
+    """Random weights in real shapes, seeded, drawn on the model's device (fast on GPU). A
+    sharded parameter draws its full tensor, as one process would, and keeps its part."""
+    shards = shards or {}
     for name, p in model.named_parameters():
         gen = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
         if p.ndim == 1 or _is_zero_init(model, name):
@@ -124,6 +167,11 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             unit_offset = name.endswith("norm.weight") and _is_unit_offset(model, name)
             fill = 1.0 if name.endswith("norm.weight") and not unit_offset else 0.0
             p.fill_(fill)
+        elif name in shards:
+            shard = shards[name]
+            full = torch.empty(shard.full_shape, dtype=p.dtype, device=p.device)
+            full.normal_(0.0, 0.02, generator=gen)
+            p.copy_(shard.take(full, p.shape[shard.dim]))
         else:
             p.normal_(0.0, 0.02, generator=gen)
 

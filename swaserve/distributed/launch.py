@@ -1,0 +1,276 @@
+"""Starting the tensor-parallel ranks, watching them, stopping them.
+
+Rank 0 is the process that runs the EngineCore (the offline caller, or the server's core
+process). It hosts the rendezvous store, spawns this node's other ranks (torch.multiprocessing,
+spawn; each runs `worker.worker_main`), waits until every rank has reached the store, then joins
+the groups. On another node (`--node-rank k`), `run_node` spawns that node's ranks and waits.
+
+A rank that dies takes the engine down with `RankFailure` naming it, never a hang: every call
+rank 0 makes through `guard()` first checks that the local workers live, and a collective that
+fails (gloo reports a vanished peer at once) is re-raised as the failure of the rank found dead.
+A watchdog thread logs a death when it happens and, on CUDA, aborts the groups so that an NCCL
+collective in flight fails instead of waiting for its timeout. Workers are daemons: they go with
+their parent, and a worker whose rank 0 vanished fails its next wait and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import wait as wait_sentinels
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from swaserve.config import EngineConfig
+from swaserve.distributed.nccl_guard import apply_nccl_guard
+from swaserve.distributed.parallel_state import (
+    RENDEZVOUS_TIMEOUT,
+    TPGroup,
+    open_store,
+    share_cpu_cores,
+)
+
+log = logging.getLogger(__name__)
+DEATH_GRACE_S = 2.0  # after a failed collective: how long a dying worker may take to exit
+STOP_TIMEOUT_S = 5.0
+
+
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank died or failed; the engine cannot continue."""
+
+
+def ready_key(rank: int) -> str:
+    """The store key a rank sets once it reached the rendezvous."""
+    return f"swaserve/tp_ready/{rank}"
+
+
+def _rendezvous(config: EngineConfig) -> tuple[str, int]:
+    if config.dist_init_addr:
+        host, _, port = config.dist_init_addr.rpartition(":")
+        return host.strip("[]"), int(port)
+    return "127.0.0.1", 0  # rank 0's store picks a free port
+
+
+def worker_device(config: EngineConfig, rank: int) -> torch.device:
+    """cuda:<local rank> on CUDA (rank 0 included), else the CPU."""
+    device = config.torch_device()
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", rank % (config.tensor_parallel_size // config.nnodes))
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "is not responding"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}" + (" (its error is in the log above)" if code else "")
+
+
+def _spawn(
+    config: EngineConfig, folder: Path, host: str, port: int, ranks: range
+) -> dict[int, Any]:
+    """Start `ranks` as daemon processes (spawn: a fresh interpreter, which imports the main
+    script again, so a script that builds an Engine keeps its top level under
+    `if __name__ == "__main__":`). Their start-up message is JSON, as every one in swaserve."""
+    from swaserve.distributed.worker import worker_main
+
+    spec = json.dumps({
+        "config": dataclasses.asdict(config), "folder": str(folder), "host": host, "port": port,
+        "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+    })  # fmt: skip
+    ctx = mp.get_context("spawn")
+    procs = {}
+    for rank in ranks:
+        p = ctx.Process(
+            target=worker_main, args=(rank, spec), daemon=True, name=f"swaserve-tp-rank{rank}"
+        )
+        p.start()
+        procs[rank] = p
+    return procs
+
+
+class TensorParallel:
+    """Rank 0's handle on the ranks: the group, this node's worker processes, their watch."""
+
+    def __init__(self, tp: TPGroup, procs: dict[int, Any], store: Any, threads: int) -> None:
+        self.tp = tp
+        self.procs = procs
+        self.store = store  # rank 0 hosts it: kept alive as long as the ranks are
+        self.failure: str | None = None
+        self._stopping = _Stopping(threads=threads)
+        threading.Thread(
+            target=_watchdog,
+            args=(tp, procs, self._stopping),
+            daemon=True,
+            name="swaserve-tp-watch",
+        ).start()
+        # Stop the workers when the engine goes away (or at exit), whoever forgets to.
+        self._finalizer = weakref.finalize(self, _stop, tp, procs, self._stopping)
+
+    def check(self) -> None:
+        """RankFailure if a rank died (now or before)."""
+        if self.failure is None:
+            for rank, p in self.procs.items():
+                if not p.is_alive():
+                    self.failure = f"tensor-parallel rank {rank} (pid {p.pid}) " + _exit_reason(
+                        p.exitcode
+                    )
+                    break
+        if self.failure is not None:
+            raise RankFailure(f"{self.failure}; the engine cannot continue")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Around every exchange with the workers: a failure names the rank."""
+        self.check()
+        try:
+            yield
+        except RankFailure:
+            raise
+        except RuntimeError as e:
+            failure = self.explain()
+            if failure is None:
+                raise
+            raise failure from e
+
+    def explain(self) -> RankFailure | None:
+        """After an error: the failure of a rank found dead within DEATH_GRACE_S (a vanished
+        peer fails gloo's wait before its process is reaped), or None when all live."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            try:
+                self.check()
+            except RankFailure as failure:
+                return failure
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers and drop the groups: STOP, then terminate whoever lingers; not
+        `graceful` (rank 0 failed while starting, the workers may wait in any collective):
+        terminate them."""
+        self._stopping.graceful = graceful
+        self._finalizer()
+
+
+@dataclasses.dataclass
+class _Stopping:
+    event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    graceful: bool = True
+    threads: int = 0  # this process's torch threads before the ranks shared the cores
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
+def _watchdog(tp: TPGroup, procs: dict[int, Any], stopping: _Stopping) -> None:
+    """Logs a worker's death as it happens; on CUDA aborts the groups, so that an NCCL
+    collective waiting for the dead rank fails now instead of at its timeout."""
+    sentinels = {p.sentinel: rank for rank, p in procs.items()}
+    while sentinels and not stopping.is_set():
+        for s in wait_sentinels(list(sentinels), timeout=1.0):
+            rank = sentinels.pop(s)
+            if stopping.is_set():
+                return
+            p = procs[rank]
+            p.join(0.1)
+            log.error("tensor-parallel rank %d (pid %d) %s", rank, p.pid, _exit_reason(p.exitcode))
+            if tp.device.type == "cuda":
+                tp.abort()
+
+
+def _stop(tp: TPGroup, procs: dict[int, Any], stopping: _Stopping) -> None:
+    stopping.event.set()
+    alive = all(p.is_alive() for p in procs.values())
+    if stopping.graceful and alive and tp.cpu_group is not None:
+        from swaserve.distributed.step_wire import HEADER, STOP
+
+        words = torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64)
+        with contextlib.suppress(RuntimeError):
+            tp.broadcast(words, on_cpu=True)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for p in procs.values():
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+            p.join(1.0)
+    tp.shutdown()
+    if stopping.threads:
+        torch.set_num_threads(stopping.threads)
+
+
+def _wait_ready(store: Any, ranks: range, procs: dict[int, Any]) -> None:
+    """Until every rank in `ranks` has reached the store; RankFailure if a local one dies."""
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    keys = [ready_key(r) for r in ranks]
+    while not store.check(keys):
+        time.sleep(0.05)
+        for rank, p in procs.items():
+            if not p.is_alive():
+                raise RankFailure(
+                    f"tensor-parallel rank {rank} (pid {p.pid}) {_exit_reason(p.exitcode)} "
+                    "while starting; see its log above"
+                )
+        if time.monotonic() > deadline:
+            raise RankFailure(
+                f"tensor-parallel ranks did not all reach {store.host}:{store.port} within "
+                f"{RENDEZVOUS_TIMEOUT.total_seconds():.0f} s (--dist-init-addr, --nnodes)"
+            )
+
+
+def start_tensor_parallel(config: EngineConfig, folder: Path) -> TensorParallel:
+    """Rank 0: host the rendezvous, spawn this node's other ranks, join the groups."""
+    size = config.tensor_parallel_size
+    device = worker_device(config, 0)
+    apply_nccl_guard(device.type == "cuda" and config.cuda_graph_max_bs > 0, size)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        log.info("tensor parallelism on CPU: %d threads per rank", share_cpu_cores(size))
+    host, port = _rendezvous(config)
+    store = open_store(host, port, size, is_master=True)
+    per_node = size // config.nnodes
+    procs = _spawn(config, folder, host, store.port, range(1, per_node))
+    try:
+        _wait_ready(store, range(1, size), procs)
+        tp = TPGroup.create(store, 0, size, host, device)
+    except BaseException:
+        for p in procs.values():
+            p.terminate()
+        torch.set_num_threads(threads)
+        raise
+    log.info("tensor parallelism: %d ranks (%s), rendezvous %s:%d", size, device, host, store.port)
+    return TensorParallel(tp, procs, store, threads)
+
+
+def run_node(config: EngineConfig, folder: Path) -> int:
+    """Another node (`--node-rank k > 0`): run its ranks until they stop; 1 if one failed."""
+    per_node = config.tensor_parallel_size // config.nnodes
+    first = config.node_rank * per_node
+    apply_nccl_guard(
+        worker_device(config, first).type == "cuda" and config.cuda_graph_max_bs > 0,
+        config.tensor_parallel_size,
+    )
+    host, port = _rendezvous(config)
+    procs = _spawn(config, folder, host, port, range(first, first + per_node))
+    failed = 0
+    for rank, p in procs.items():
+        p.join()
+        if p.exitcode:
+            log.error("tensor-parallel rank %d %s", rank, _exit_reason(p.exitcode))
+            failed = 1
+    return failed

@@ -1,0 +1,115 @@
+"""What rank 0 tells the other tensor-parallel ranks, in the order it does it: tensors only (a
+header, then an int64 payload; never pickle).
+
+Every message starts with a header, HEADER int64 words over the gloo group:
+
+    [op, a, b, c]
+    FORWARD  a = requests R, b = attention groups G, c = payload length
+             payload (gloo): query_lens[R] | context_lens[R] | table_lens[R * G] | tables
+                             (request-major, then group; each table its page ids)
+             then the input ids [sum(query_lens)] over the device group, after rank 0 filled
+             in the tokens still on its device (the overlap schedule), so nothing waits for
+             the host
+    LOGITS   a = rows n: the hidden rows [n, hidden] over the device group; every rank then
+             computes its vocabulary shard's logits and rank 0 gathers them
+    COPY     a = pairs n: payload (gloo) src[n] | dst[n], KV page copies (copy-on-write of the
+             prefix cache) to make before the next forward
+    STOP     the worker returns
+
+A step's positions are not sent: request r's run from context_lens[r] for query_lens[r] tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swaserve.attention.base import AttentionInputs
+from swaserve.distributed.parallel_state import TPGroup
+
+HEADER = 4
+FORWARD, LOGITS, COPY, STOP = 1, 2, 3, 4
+
+
+@dataclass
+class Message:
+    """A message as a worker receives it; the fields of its op are set."""
+
+    op: int
+    inputs: AttentionInputs | None = None  # FORWARD
+    input_ids: torch.Tensor | None = None  # FORWARD, on the device
+    hidden: torch.Tensor | None = None  # LOGITS, on the device
+    src: list[int] | None = None  # COPY
+    dst: list[int] | None = None  # COPY
+
+
+class StepWire:
+    def __init__(self, tp: TPGroup, hidden_size: int, dtype: torch.dtype) -> None:
+        self.tp = tp
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+
+    # ---- rank 0 -----------------------------------------------------------------------------
+
+    def send_forward(self, inputs: AttentionInputs, input_ids: torch.Tensor) -> None:
+        lens: list[int] = []
+        pages: list[int] = []
+        for tables in inputs.page_tables:
+            for table in tables:
+                lens.append(len(table))
+                pages += table
+        payload = list(inputs.query_lens) + list(inputs.context_lens) + lens + pages
+        groups = len(inputs.page_tables[0]) if inputs.page_tables else 0
+        self._header(FORWARD, len(inputs.query_lens), groups, len(payload))
+        self.tp.broadcast(torch.tensor(payload, dtype=torch.int64), on_cpu=True)
+        self.tp.broadcast(input_ids)
+
+    def send_logits(self, hidden: torch.Tensor) -> None:
+        self._header(LOGITS, hidden.shape[0])
+        self.tp.broadcast(hidden.to(self.dtype).contiguous())
+
+    def send_copies(self, src: list[int], dst: list[int]) -> None:
+        self._header(COPY, len(src))
+        self.tp.broadcast(torch.tensor(list(src) + list(dst), dtype=torch.int64), on_cpu=True)
+
+    def send_stop(self) -> None:
+        self._header(STOP)
+
+    def _header(self, op: int, *sizes: int) -> None:
+        words = [op, *sizes] + [0] * (HEADER - 1 - len(sizes))
+        self.tp.broadcast(torch.tensor(words, dtype=torch.int64), on_cpu=True)
+
+    # ---- the other ranks ---------------------------------------------------------------------
+
+    def recv(self) -> Message:
+        """The next message from rank 0 (blocks while the engine idles)."""
+        op, a, b, c = self._payload(HEADER)
+        if op == FORWARD:
+            vals = self._payload(c)
+            q, ctx = vals[:a], vals[a : 2 * a]
+            lens = vals[2 * a : 2 * a + a * b]
+            pos = 2 * a + a * b
+            tables: list[list[list[int]]] = []
+            for r in range(a):
+                per_group = []
+                for g in range(b):
+                    n = lens[r * b + g]
+                    per_group.append(vals[pos : pos + n])
+                    pos += n
+                tables.append(per_group)
+            ids = torch.empty(sum(q), dtype=torch.int64, device=self.tp.device)
+            self.tp.broadcast(ids)
+            return Message(op, inputs=AttentionInputs(q, ctx, tables), input_ids=ids)
+        if op == LOGITS:
+            hidden = torch.empty(a, self.hidden_size, dtype=self.dtype, device=self.tp.device)
+            return Message(op, hidden=self.tp.broadcast(hidden))
+        if op == COPY:
+            vals = self._payload(2 * a)
+            return Message(op, src=vals[:a], dst=vals[a:])
+        if op == STOP:
+            return Message(op)
+        raise RuntimeError(f"step wire: unknown op {op}")
+
+    def _payload(self, n: int) -> list[int]:
+        return self.tp.broadcast(torch.empty(n, dtype=torch.int64), on_cpu=True).tolist()

@@ -1,0 +1,146 @@
+"""A tensor-parallel worker: ranks 1..T-1, each its own process (spawned by launch.py).
+
+Start-up mirrors EngineCore's (engine/core.py) for the parts every rank holds, with the same
+collectives in the same order: join the groups, build this rank's shard of the model, profile
+memory on CUDA, agree on the page count (the smallest pool), allocate the KV pool of its own
+heads, calibrate FP8 scales (the largest over the ranks). Then `serve_steps` mirrors rank 0's
+messages (step_wire.py) until STOP or until rank 0 is gone (the next wait fails).
+No scheduler, memory manager, prefix cache or sampler here: rank 0 decides, the workers run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from swaserve.config import EngineConfig
+from swaserve.distributed.parallel_state import TPGroup, open_store, share_cpu_cores
+from swaserve.distributed.step_wire import COPY, FORWARD, LOGITS, STOP, StepWire
+from swaserve.engine.model_runner import ModelRunner
+
+log = logging.getLogger("swaserve.worker")
+
+
+def worker_main(rank: int, spec_json: str) -> None:
+    """Process entry: `spec_json` holds the resolved config, the model folder and the
+    rendezvous address (JSON, as every start-up message in swaserve)."""
+    from swaserve.distributed.launch import ready_key, worker_device
+
+    spec = json.loads(spec_json)
+    logging.basicConfig(
+        level=spec.get("log_level", "INFO"),
+        format=f"%(asctime)s %(levelname)s [tp{rank}] %(name)s: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the ranks stop
+    config = EngineConfig(**spec["config"])
+    device = worker_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        share_cpu_cores(config.tensor_parallel_size)
+    store = open_store(spec["host"], spec["port"], config.tensor_parallel_size, False)
+    store.set(ready_key(rank), "1")
+    tp = TPGroup.create(store, rank, config.tensor_parallel_size, spec["host"], device)
+    try:
+        runner = build_shard(config, Path(spec["folder"]), tp)
+        serve_steps(
+            runner,
+            StepWire(
+                tp, int(runner.model.config.hidden_size), next(runner.model.parameters()).dtype
+            ),
+        )
+    except RuntimeError as e:
+        if "Connection closed by peer" in str(e):  # gloo's word for a vanished rank 0
+            log.info("rank 0 is gone; tensor-parallel rank %d exits", rank)
+            sys.exit(0)
+        raise
+    finally:
+        tp.shutdown()
+
+
+def build_shard(config: EngineConfig, folder: Path, tp: TPGroup) -> ModelRunner:
+    """This rank's model shard and KV pool, built as EngineCore builds rank 0's."""
+    from swaserve.attention import backend_class
+    from swaserve.distributed.layers import kv_heads_per_rank
+    from swaserve.engine.core import agree_kv_scales, kv_budget_bytes
+    from swaserve.engine.limits import check_model_len
+    from swaserve.memory.groups import build_layout
+    from swaserve.memory.kv_pool import KVPool
+    from swaserve.memory.manager import page_bytes
+    from swaserve.models.blocks import head_dim_of, layer_windows
+    from swaserve.weights.loader import build_model, load_hf_config
+
+    device, dtype = tp.device, config.torch_dtype()
+    hf = load_hf_config(folder)
+    max_model_len = check_model_len(config.max_model_len, int(hf.max_position_embeddings))
+    model = build_model(hf, folder, dtype, device, config.load_format == "dummy", config.seed, tp)
+    if device.type == "cuda" and not config.disable_fused_ops:
+        from swaserve.ops import enable_fused_ops
+
+        enable_fused_ops(model)
+    layout = build_layout(layer_windows(hf), all_full=config.disable_hybrid_kv_cache)
+    kv_heads, head_dim = kv_heads_per_rank(hf.num_key_value_heads, tp.size), head_dim_of(hf)
+    kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else dtype
+    per_page = page_bytes(layout, config.page_size, kv_heads, head_dim, kv_dtype.itemsize)
+    backend = backend_class(config.backend_name())(layout, config.page_size, device)
+    budget = kv_budget_bytes(
+        config,
+        model,
+        backend,
+        layout,
+        (kv_heads, head_dim),
+        kv_dtype,
+        max_model_len,
+        int(hf.vocab_size),
+        device,
+        piecewise=False,
+    )
+    num_pages = int(tp.agree([max(2, int(budget // per_page))], "min")[0])
+    kv = KVPool(layout, num_pages, config.page_size, kv_heads, head_dim, kv_dtype, device)
+    if kv.is_fp8:
+        n = hf.num_hidden_layers
+        if config.kv_cache_scale is not None:
+            kv.set_scales([config.kv_cache_scale] * n, [config.kv_cache_scale] * n)
+        else:
+            from swaserve.engine.kv_calibration import calibrate_kv_scales
+
+            ks, vs = calibrate_kv_scales(
+                model,
+                layout,
+                config.page_size,
+                kv_heads,
+                head_dim,
+                dtype,
+                device,
+                hf.vocab_size,
+                config.seed,
+            )
+            kv.set_scales(*agree_kv_scales(tp, ks, vs))
+    log.info(
+        "tensor-parallel rank %d of %d: %d KV pages, %d KV heads",
+        tp.rank,
+        tp.size,
+        num_pages,
+        kv_heads,
+    )
+    return ModelRunner(model, kv, backend, device)
+
+
+def serve_steps(runner: ModelRunner, wire: StepWire) -> None:
+    """Mirror rank 0's messages (step_wire.py) until STOP."""
+    with torch.inference_mode():
+        while True:
+            msg = wire.recv()
+            if msg.op == FORWARD:
+                runner.forward(runner.build(msg.input_ids, msg.inputs))
+            elif msg.op == LOGITS:
+                wire.tp.gather(runner.model.compute_logits(msg.hidden).float().contiguous())
+            elif msg.op == COPY:
+                runner.kv.copy_pages(msg.src, msg.dst)
+            elif msg.op == STOP:
+                return
