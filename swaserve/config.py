@@ -67,6 +67,9 @@ class EngineConfig:
     nnodes: int = 1  # machines the ranks span (tensor_parallel_size / nnodes ranks on each)
     node_rank: int = 0  # this machine's index; node 0 runs the engine, the others only workers
     dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: a free local port
+    # Data parallelism (server only, dense models): D engine-core replicas behind one frontend.
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts split over the DP ranks: not yet
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -133,6 +136,7 @@ class EngineConfig:
                 raise bad("dist_init_addr", "must be HOST:PORT")
         elif self.nnodes > 1:
             raise bad("nnodes", "needs --dist-init-addr HOST:PORT (node 0's address)")
+        self._check_data_parallel(bad)
         if tp == 1:
             return
         unsupported = [
@@ -143,6 +147,28 @@ class EngineConfig:
         for name, on in unsupported:
             if on:
                 raise bad(name, f"is not supported with --tensor-parallel-size {tp} yet")
+
+    def _check_data_parallel(self, bad) -> None:
+        """--data-parallel-size D: D full replicas (replica i on cuda:i); not with TP yet."""
+        dp = self.data_parallel_size
+        if dp < 1:
+            raise bad("data_parallel_size", "must be >= 1")
+        if self.enable_expert_parallel:
+            raise bad("enable_expert_parallel", "is not supported yet")
+        if dp == 1:
+            return
+        if self.tensor_parallel_size > 1:
+            raise bad(
+                "data_parallel_size",
+                f"with --tensor-parallel-size {self.tensor_parallel_size} is not supported yet "
+                "(give one of --data-parallel-size and --tensor-parallel-size)",
+            )
+        if self.device.startswith("cuda:"):
+            raise bad(
+                "data_parallel_size",
+                f"with --device {self.device}: replica i uses cuda:i; give --device cuda "
+                "(CUDA_VISIBLE_DEVICES picks the GPUs)",
+            )
 
     def _check_device(self) -> None:
         """--device names a device this torch can use: a ValueError now, not a traceback
@@ -354,6 +380,15 @@ FLAGS: dict[str, FlagInfo] = {
         "distributed",
         "HOST:PORT where the ranks meet (node 0's address)",
         default="a free local port, one machine",
+    ),
+    "data_parallel_size": FlagInfo(
+        "distributed",
+        "serve: engine-core replicas behind one HTTP server, each with its own scheduler and "
+        "KV pool (replica i on cuda:i); requests go by prefix affinity and load",
+        alias="-dp",
+    ),
+    "enable_expert_parallel": FlagInfo(
+        "distributed", "split MoE experts over the data-parallel ranks (not supported yet)"
     ),
 }
 

@@ -83,6 +83,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, folder: Path, server: bool = False) -> None:
         """`server`: the OpenAI server's core (its device defaults favour latency)."""
         self.parallel = None  # TensorParallel (swaserve/distributed/launch.py) when T > 1
+        if config.data_parallel_size > 1:  # the server starts one core per replica
+            raise ValueError(
+                f"--data-parallel-size {config.data_parallel_size} is for `swaserve serve` only"
+            )
         try:
             self._start(config, folder, server)
         except BaseException as e:

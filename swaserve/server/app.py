@@ -7,7 +7,8 @@ chat; on the one tokenizer thread, off the event loop) -> check the context ->
 waiting is on asyncio queues fed by the IPC task.
 
 `GET /v1/memory` returns the engine core's latest memory stats (the KV pool, per attention group,
-the prefix cache and its tiers) and queue lengths; `GET /` serves the playground page
+the prefix cache and its tiers) and queue lengths (with `--data-parallel-size` > 1: the totals over
+the replicas plus `ranks`, one entry each); `GET /` serves the playground page
 (`swaserve/server/static/`, plain files, nothing external) unless `--disable-playground`.
 
 Statuses: 400 invalid request (never FastAPI's 422) or prompt + max_tokens beyond the context;
@@ -40,8 +41,10 @@ from swaserve.engine.limits import ContextLimit, PromptError, check_prompt, chec
 from swaserve.outputs import RequestOutput
 from swaserve.sampling.params import SamplingParams
 from swaserve.server import protocol as P
+from swaserve.server.dp_client import DPClient
 from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestFailed
 from swaserve.server.metrics import CONTENT_TYPE, Metrics
+from swaserve.server.metrics_dp import RankedMetrics
 from swaserve.speculative.metrics import merge_spec
 
 log = logging.getLogger(__name__)
@@ -62,7 +65,7 @@ _PLAYGROUND_CSP = (
 
 @dataclass
 class ServerState:
-    client: CoreClient
+    client: CoreClient | DPClient  # DPClient: --data-parallel-size > 1
     tokenizer: Any  # None for a model without one: token-id prompts only
     model_name: str
     chat_template: str | None  # --chat-template text; None: the tokenizer's own
@@ -71,7 +74,7 @@ class ServerState:
     max_n: int
     max_logprobs: int
     api_key: str | None
-    metrics: Metrics
+    metrics: Metrics | RankedMetrics
     created: int
     context_by_kv_pool: bool = False  # max_model_len is what the KV pool holds (error text)
     # --model as given; requests may name it or model_name (--served-model-name).

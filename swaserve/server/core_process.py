@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         from swaserve.engine.core import EngineCore
 
         config = EngineConfig(**spec["config"])
+        if spec.get("cpu_share", 1) > 1 and config.torch_device().type != "cuda":
+            from swaserve.distributed.parallel_state import share_cpu_cores
+
+            share_cpu_cores(spec["cpu_share"])  # data-parallel replicas share the cores
         try:
             core = EngineCore(config, Path(spec["folder"]), server=True)
         except ValueError as e:  # a flag the model or the pool cannot take: one line

@@ -5,6 +5,12 @@ model folder (GGUF conversion happens here, once), bind the IPC sockets, start t
 (`python -m swaserve.server.core_process`), wait for its `ready`, then listen on the bound
 socket (uvicorn) and only then log "serving on ...".
 
+Data parallelism (`--data-parallel-size D` > 1, dense models): D core processes, replica i
+on cuda:i (on CPU all share the cores), each with its own IPC sockets and CoreClient, behind
+one `DPClient` (routing: prefix affinity, then load) and one HTTP server; /metrics labels
+every series with `dp_rank`. One replica's core dying is the server's end, as with one core:
+every live request (on any replica) ends with an error naming the rank, and the server exits.
+
 Watchdog: when the core process exits or reports a fatal error, every live request ends with
 an error, new requests get 503, the reason is logged, and the server exits with status 1
 within a few seconds (a hard `os._exit(1)` backs that up at EXIT_DEADLINE_S).
@@ -71,15 +77,30 @@ def _exit_reason(code: int) -> str:
     return f"exited with status {code}"
 
 
+def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config of data-parallel replica `rank`: one replica; on CUDA, on cuda:rank."""
+    if config.data_parallel_size == 1:
+        return config
+    device = f"cuda:{rank}" if config.torch_device().type == "cuda" else config.device
+    return dataclasses.replace(config, data_parallel_size=1, device=device)
+
+
 def start_core(
-    config: EngineConfig, folder: Path, in_addr: str, out_addr: str, log_level: str
+    config: EngineConfig,
+    folder: Path,
+    in_addr: str,
+    out_addr: str,
+    log_level: str,
+    cpu_share: int = 1,
 ) -> subprocess.Popen:
+    """`cpu_share`: processes sharing this machine's cores (on CPU each gets cores / that)."""
     spec = {
         "config": dataclasses.asdict(config),
         "folder": str(folder),
         "in_addr": in_addr,
         "out_addr": out_addr,
         "log_level": log_level,
+        "cpu_share": cpu_share,
     }
     cmd = [sys.executable, "-m", "swaserve.server.core_process", "--spec", json.dumps(spec)]
     return subprocess.Popen(cmd)
@@ -165,24 +186,34 @@ async def _main(
     import uvicorn
 
     from swaserve.server.app import ServerState, build_app
+    from swaserve.server.dp_client import DPClient
     from swaserve.server.ipc import CoreClient
     from swaserve.server.metrics import Metrics
+    from swaserve.server.metrics_dp import RankedMetrics
 
-    metrics = Metrics()
-    client = CoreClient(
-        tokenizer,
-        f"ipc://{tmp}/in",
-        f"ipc://{tmp}/out",
-        config.max_queue,
-        metrics,
-    )
+    dp = config.data_parallel_size
+    metrics: Any = Metrics() if dp == 1 else RankedMetrics(dp)
+    per_rank = [metrics] if dp == 1 else metrics.ranks
+    addrs = [
+        (f"ipc://{tmp}/in{suffix}", f"ipc://{tmp}/out{suffix}")
+        for suffix in ([""] if dp == 1 else [str(i) for i in range(dp)])
+    ]
+    clients = [
+        CoreClient(tokenizer, a_in, a_out, config.max_queue, m)
+        for (a_in, a_out), m in zip(addrs, per_rank)
+    ]
+    client: Any = clients[0] if dp == 1 else DPClient(clients)
     client.start()
     try:
-        proc = start_core(config, folder, f"ipc://{tmp}/in", f"ipc://{tmp}/out", args.log_level)
-        procs.append(proc)
-        log.info("engine core process %d is loading %s", proc.pid, config.model)
-        if not await _wait_ready(client, proc):
-            return 1
+        for rank, (a_in, a_out) in enumerate(addrs):
+            rconf = replica_config(config, rank)
+            proc = start_core(rconf, folder, a_in, a_out, args.log_level, cpu_share=dp)
+            procs.append(proc)
+            where = "" if dp == 1 else f" (dp rank {rank}, {rconf.device})"
+            log.info("engine core process %d is loading %s%s", proc.pid, config.model, where)
+        for c, proc in zip(clients, procs):
+            if not await _wait_ready(c, proc):
+                return 1
         ready.append(True)
         info = client.info or {}
         state = ServerState(
@@ -211,14 +242,16 @@ async def _main(
             )
         )
         server.on_started = lambda: log.info(
-            "serving %s on http://%s:%d (engine core pid %d)%s",
+            "serving %s on http://%s:%d (engine core pid %s)%s",
             state.model_name,
             args.host,
             args.port,
-            proc.pid,
+            ", ".join(str(p.pid) for p in procs),
             f"; playground: http://{args.host}:{args.port}/" if args.playground else "",
         )
-        watchdog = asyncio.get_running_loop().create_task(_watchdog(proc, client, server))
+        watchdog = asyncio.get_running_loop().create_task(
+            _watchdog(procs, clients, client, server)
+        )
         try:
             await server.serve(sockets=[sock])
         except OSError as e:  # listen() failed: another process bound the port and listens
@@ -287,16 +320,31 @@ async def _wait_ready(client: Any, proc: subprocess.Popen) -> bool:
     return True
 
 
-async def _watchdog(proc: subprocess.Popen, client: Any, server: Any) -> None:
+def _first_gone(procs: list[subprocess.Popen], clients: list[Any]) -> tuple[int, str] | None:
+    """(rank, why) of the first core process that exited or reported a fatal error."""
+    for rank, (proc, c) in enumerate(zip(procs, clients)):
+        code = proc.poll()
+        if code is not None or c.dead is not None:
+            return rank, c.dead or f"engine core process {proc.pid} {_exit_reason(code)}"
+    return None
+
+
+async def _watchdog(
+    procs: list[subprocess.Popen], clients: list[Any], client: Any, server: Any
+) -> None:
+    """`clients[i]` talks to `procs[i]`; `client` is what the app uses (one of them, or the
+    DPClient over all): failing it ends every live request."""
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
-        code = proc.poll()
-        if code is None and client.dead is None:
+        gone = _first_gone(procs, clients)
+        if gone is None:
             continue
-        reason = client.dead or f"engine core process {proc.pid} {_exit_reason(code)}"
+        rank, reason = gone
+        if len(procs) > 1:
+            reason = f"dp rank {rank}: {reason}"
         client.fail_all(reason)
-        if client.metrics is not None:
-            client.metrics.core_alive.set(0)
+        if clients[rank].metrics is not None:
+            clients[rank].metrics.core_alive.set(0)
         log.error("engine core is gone (%s): answering 503, exiting in %.0f s", reason, GRACE_S)
         timer = threading.Timer(EXIT_DEADLINE_S, os._exit, args=(1,))
         timer.daemon = True

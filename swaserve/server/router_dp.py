@@ -1,0 +1,68 @@
+"""Which data-parallel replica serves a request (`--data-parallel-size D`, dense models).
+
+Prefix affinity first: a replica that recently served a prompt with the same first
+64 / 256 / 1024 tokens has those pages in its prefix cache, so the request goes there (the
+longest such match wins), unless that replica's load (sequences in flight) exceeds the least
+loaded replica's by more than `margin`. Otherwise the least loaded replica; ties go to the one
+that was given the fewest requests so far, then to the lowest rank. A request's samples
+(n > 1) are one choice: they share the prompt and so its cached pages.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+PREFIX_LENS = (64, 256, 1024)  # page-size multiples for the page sizes in use (16, 32, 64)
+LOAD_MARGIN = 4  # sequences in flight an affine replica may carry beyond the least loaded one
+LRU_SIZE = 4096  # prefix hashes remembered per replica
+
+
+def choose_replica(
+    loads: Sequence[int],
+    prefix_lens: Sequence[int],
+    routed: Sequence[int] | None = None,
+    margin: int = LOAD_MARGIN,
+    eligible: Sequence[bool] | None = None,
+) -> int:
+    """The replica for one request. `loads[i]`: sequences in flight on replica i;
+    `prefix_lens[i]`: the longest prompt prefix replica i recently served (0: none);
+    `routed[i]`: requests given to replica i so far (tie-break); `eligible[i]`: False for a
+    replica that cannot take it (full). Raises ValueError when none is eligible."""
+    ranks = [i for i in range(len(loads)) if eligible is None or eligible[i]]
+    if not ranks:
+        raise ValueError("no replica can take the request")
+    least = min(loads[i] for i in ranks)
+    best = max(prefix_lens[i] for i in ranks)
+    if best > 0:
+        affine = [i for i in ranks if prefix_lens[i] == best]
+        i = min(affine, key=lambda r: (loads[r], r))
+        if loads[i] <= least + margin:
+            return i
+    done = routed or [0] * len(loads)
+    return min((i for i in ranks if loads[i] == least), key=lambda r: (done[r], r))
+
+
+def prefix_keys(token_ids: Sequence[int], lens: Sequence[int] = PREFIX_LENS) -> list[tuple]:
+    """(length, hash of the first `length` tokens) for each length the prompt has."""
+    return [(k, hash(tuple(token_ids[:k]))) for k in lens if len(token_ids) >= k]
+
+
+class PrefixAffinity:
+    """Per replica, an LRU of the prompt-prefix hashes it served recently."""
+
+    def __init__(self, num_replicas: int, capacity: int = LRU_SIZE) -> None:
+        self.capacity = capacity
+        self.seen: list[OrderedDict[tuple, None]] = [OrderedDict() for _ in range(num_replicas)]
+
+    def match(self, keys: list[tuple]) -> list[int]:
+        """Per replica, the longest of `keys` (a prompt's prefix_keys) it served recently."""
+        return [max((k[0] for k in keys if k in lru), default=0) for lru in self.seen]
+
+    def record(self, replica: int, keys: list[tuple]) -> None:
+        lru = self.seen[replica]
+        for k in keys:
+            lru[k] = None
+            lru.move_to_end(k)
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
