@@ -9,7 +9,7 @@ set -u
 OUT=${OUT:-bench_out}
 export OUT PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 mkdir -p "$OUT"
-STEPS=${STEPS:-engine_decode offline_vs_hf attention fp8_sweep window_vs_full fp8_vs_bf16 fp8_gemma270m gpu_tests}
+STEPS=${STEPS:-engine_decode offline_vs_hf attention fp8_sweep window_vs_full fp8_vs_bf16 fp8_gemma270m step_profile fused_moe spec_dflash gpu_tests}
 step() {  # step NAME SECONDS CMD...
     local name=$1 limit=$2
     shift 2
@@ -27,6 +27,14 @@ step fp8_vs_bf16 180 python3 benchmarks/fp8_vs_bf16.py
 if [ $# -ge 1 ]; then
     step fp8_gemma270m 300 python3 benchmarks/fp8_gemma270m.py "$1" --prompts 64
 fi
+step step_profile 240 python3 benchmarks/step_profile.py
+step fused_moe 150 python3 benchmarks/fused_moe.py
+# DFlash on the built-in model needs a trained drafter: DRAFTER=DIR (swaserve train-drafter)
+if [ -n "${DRAFTER:-}" ]; then
+    step spec_dflash 300 python3 benchmarks/spec_dflash.py --drafter "$DRAFTER"
+fi
+# tests/gpu/test_dflash_cuda.py needs the dflash reference (pure Python, 25 kB): carry its
+# folder and put it on PYTHONPATH (PYTHONPATH=$PWD/.dev/pylib:...), or it skips.
 step gpu_tests 300 python3 -m pytest -q tests/gpu
 shopt -s nullglob
 for f in "$OUT"/*.log; do
