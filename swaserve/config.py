@@ -330,8 +330,7 @@ FLAGS: dict[str, FlagInfo] = {
         default="min(--max-num-batched-tokens, 2048)",
     ),
     "disable_fused_ops": FlagInfo(
-        "GPU", "eager torch RMSNorm, rotary and activations instead of the Triton kernels; "
-        "on CPU, float32 linears without oneDNN's reordered weights"
+        "GPU", "eager torch RMSNorm, rotary and activations instead of the Triton kernels"
     ),
     # cache
     "disable_prefix_cache": FlagInfo("cache", "no prefix cache: no KV reuse across requests"),

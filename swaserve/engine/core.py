@@ -121,10 +121,6 @@ class EngineCore:
             from swaserve.ops import enable_fused_ops
 
             enable_fused_ops(self.model)  # before profiling, calibration and graph capture
-        elif self.device.type == "cpu" and not config.disable_fused_ops and tp is None:
-            from swaserve.ops.cpu_linear import enable_cpu_packed_linears
-
-            enable_cpu_packed_linears(self.model)  # float32 linears through oneDNN
         self.eos_token_ids = eos_token_ids(folder, hf)
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
         if tp is not None:  # this rank's KV heads: its pool is sized for them

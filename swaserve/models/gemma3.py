@@ -102,8 +102,6 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    packed_head: torch.Tensor | None = None  # the head's oneDNN weight (ops/cpu_linear.py)
-
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
@@ -117,13 +115,8 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:  # CPU float32 (swaserve/ops/cpu_linear.py)
-            from swaserve.ops.cpu_linear import packed_linear
-
-            logits = packed_linear(hidden, self.packed_head)
-        else:
-            w = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-            logits = torch.nn.functional.linear(hidden, w)
+        w = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        logits = torch.nn.functional.linear(hidden, w)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -92,7 +92,6 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
-    packed_head: torch.Tensor | None = None  # the head's oneDNN weight (ops/cpu_linear.py)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -106,9 +105,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:  # CPU float32 (swaserve/ops/cpu_linear.py)
-            from swaserve.ops.cpu_linear import packed_linear
-
-            return packed_linear(hidden, self.packed_head)
         w = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return torch.nn.functional.linear(hidden, w)
