@@ -26,6 +26,8 @@ CASES = [
     ("decode fp8 D128 G4 16 splits", torch.bfloat16, "fp8", 128, 4, 1, 0, 0.0, False, 16, False),
     ("prefill bf16 D128 G4", torch.bfloat16, torch.bfloat16, 128, 4, 1000, 0, 0.0, False, 1,
      False),
+    # head_dim 8 (the tiny DFlash test drafter): tl.dot needs K >= 16 on the GPU
+    ("verify f32 fresh D8 G2", torch.float32, torch.float32, 8, 2, 8, 0, 0.0, False, 1, True),
 ]
 
 

@@ -672,7 +672,9 @@ def kernel_constexprs(
     """The compile-time parameters of one `_paged_attn_kernel` launch (also what the sm_90a
     compile test builds kernels from, on a machine without a GPU). `fp8_cvt`: the device has
     the packed e4m3 -> f16 conversion (sm_89+)."""
-    d_pad = triton.next_power_of_2(head_dim)
+    # tl.dot needs K >= 16 when compiled for a GPU (the interpreter takes any size): heads
+    # narrower than 16 (tiny test drafters) are padded and masked like any other padding.
+    d_pad = max(16, triton.next_power_of_2(head_dim))
     dot_f32 = interpret and q_dtype != torch.float32
     fp8 = kv_dtype == FP8
     dot_f16 = fp8 and q_dtype == torch.bfloat16 and cfg.fp8_fp16_dot
