@@ -68,13 +68,26 @@ def main() -> None:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an Engine keyword (int, float or str), e.g. max_num_batched_tokens=8192")
     ap.add_argument("--label", default="defaults")
+    ap.add_argument("--workload", default="offline",
+                    help="a workload of benchmarks/vs_vllm.py (its model, KV budget, requests)")
     args = ap.parse_args()
     kw = dict(_engine_arg(a) for a in args.engine_arg)
+    model = "llama-3.1-8b"
+    if args.workload != "offline":
+        from vs_vllm import WORKLOADS, _requests  # imports this module: only here, lazily
+
+        w = WORKLOADS[args.workload]
+        model = w.model
+        kw = {"kv_cache_gb": w.kv_gib, "disable_prefix_cache": True, "max_model_len":
+              w.max_model_len, "max_num_batched_tokens": w.budget, **kw}
     t0 = time.perf_counter()
-    eng = Engine(model="llama-3.1-8b", load_format="dummy", seed=0, **kw)
+    eng = Engine(model=model, load_format="dummy", seed=0, **kw)
     start_s = time.perf_counter() - t0
     core = eng.core
-    reqs = make_requests(args.num_prompts)
+    if args.workload != "offline":
+        reqs = _requests(args.workload, w)
+    else:
+        reqs = make_requests(args.num_prompts)
     for i, (ids, olen) in enumerate(reqs):
         core.add_request(str(i), ids, SamplingParams(max_tokens=olen, ignore_eos=True,
                                                      temperature=0))
@@ -165,8 +178,9 @@ def main() -> None:
               "output_tok_s": out_tokens / wall, "gpu_busy": sum(gpu.values()) / wall,
               "kinds": {}}
     print(f"\n[{args.label}] {kw or 'defaults'}: engine start {start_s:.1f} s")
-    print(f"llama-3.1-8b dummy bf16, {args.num_prompts} requests (digest {record['digest']}), "
-          f"after {args.warmup_steps} warm-up steps")
+    record["preemptions"] = core.scheduler.num_preemptions
+    print(f"{model} dummy bf16, {len(reqs)} requests (digest {record['digest']}), "
+          f"after {args.warmup_steps} warm-up steps, {record['preemptions']} preemptions")
     print(f"wall {wall:.1f} s, {out_tokens / wall:,.0f} output tok/s, GPU busy "
           f"{record['gpu_busy']:.0%} (event time / wall)")
     head = f"{'step kind':22} {'steps':>6} {'tok/step':>8} {'reqs':>6} {'step ms':>8} " + " ".join(
