@@ -52,6 +52,9 @@ class EngineConfig:
     chat_template: str | None = None
     seed: int = 0
     max_queue: int = 1024
+    # Admission's reserve for running requests' decode growth (engine/scheduler.py): 0 admits
+    # eagerly and preempts when short, 1 keeps their expected output's pages free.
+    schedule_conservativeness: float = 1.0
     max_logprobs: int = 20
     # Speculative decoding (docs/architecture.md §8): off unless an algorithm is named.
     speculative_algorithm: str | None = None  # ngram | dflash
@@ -97,6 +100,8 @@ class EngineConfig:
             raise bad("disk_cache_gb", "needs --disk-cache-dir (disk_cache_dir)")
         if self.host_cache_gb < 0:
             raise bad("host_cache_gb", "must be >= 0")
+        if not self.schedule_conservativeness >= 0:
+            raise bad("schedule_conservativeness", "must be >= 0")
         if self.piecewise_cuda_graph_max_tokens is not None and (
             self.piecewise_cuda_graph_max_tokens < 0
         ):
@@ -312,6 +317,11 @@ FLAGS: dict[str, FlagInfo] = {
     ),
     "max_queue": FlagInfo(
         "scheduling", "server: most sequences waiting beyond --max-num-seqs; more get a 503"
+    ),
+    "schedule_conservativeness": FlagInfo(
+        "scheduling",
+        "share of running requests' expected output kept free at admission: 0 admits eagerly "
+        "and preempts (recompute) when short, 1 avoids most preemptions",
     ),
     "disable_overlap_schedule": FlagInfo(
         "scheduling", "read each step's tokens back before scheduling the next: no CPU/GPU overlap"

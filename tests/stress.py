@@ -116,6 +116,8 @@ class Workload:
     after: list[int | None]  # prompt i extends prompt after[i] + its output (a later turn)
     arrive_p: float
     abort_p: float
+    # 0 admits eagerly and preempts (odd seeds), 1 reserves decode growth (even): both run
+    conservativeness: float = 1.0
     notes: dict = field(default_factory=dict)
 
 
@@ -177,7 +179,7 @@ def draw(seed: int) -> Workload:
         disk=tiers == "host+disk", write_through=tiers == "write_through",
         lag=rng.choice([0, 1, 2, 3]) if tiers != "none" else 0, overlap=rng.random() < 0.5,
         prompts=prompts, params=params, after=after, arrive_p=rng.uniform(0.2, 1.0),
-        abort_p=rng.choice([0.0, 0.02, 0.05]),
+        abort_p=rng.choice([0.0, 0.02, 0.05]), conservativeness=0.0 if seed % 2 else 1.0,
     )
 
 
@@ -208,7 +210,8 @@ def build_engine(w: Workload, folder: Path, tmp: Path, models: Models) -> Engine
     eng = Engine(
         model=str(folder), page_size=w.page_size, kv_cache_gb=_gb(w.num_pages, bpp),
         max_num_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
-        disable_overlap_schedule=not w.overlap, **_device_args(device), **kw,
+        disable_overlap_schedule=not w.overlap, schedule_conservativeness=w.conservativeness,
+        **_device_args(device), **kw,
     )
     assert eng.core.memory.pool.capacity == w.num_pages - 1, "pool sizing"
     if w.lag and device == "cpu":  # on CUDA the load stream lags for real
@@ -236,7 +239,8 @@ def _describe(w: Workload) -> str:
     return (
         f"pattern {''.join(w.pattern)} window {w.window} page {w.page_size} budget {w.budget} "
         f"seqs {w.max_num_seqs} pages {w.num_pages} host {w.host_pages} disk {w.disk} "
-        f"wt {w.write_through} lag {w.lag} overlap {w.overlap} prompts {len(w.prompts)}"
+        f"wt {w.write_through} lag {w.lag} overlap {w.overlap} "
+        f"conservativeness {w.conservativeness} prompts {len(w.prompts)}"
     )
 
 

@@ -125,7 +125,8 @@ class TorchBackend(AttentionBackend):
         # they read their own key from the cache like the rest, fp8 included.
         rows, slots, mask = gm.decode_view(spec.window)  # the layer's window, not the group's
         if len(rows) > 1:
-            keys, vals = fb.kv.read(spec.layer_id, slots.view(-1))
+            # `slots` may be a column slice of the batch's padded table (not contiguous)
+            keys, vals = fb.kv.read(spec.layer_id, slots.reshape(-1))
             shape = (*slots.shape, *keys.shape[1:])
             at = torch.tensor([qsl[r] for r in rows], device=q.device)
             out[at] = attend_batched(

@@ -155,7 +155,8 @@ class EngineCore:
             self._set_fp8_scales(kv_heads, head_dim)
         self.cache = build_prefix_cache(config, self.memory, self.kv)
         self.scheduler = Scheduler(
-            self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache
+            self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache,
+            config.schedule_conservativeness,
         )
         if self.parallel is None:
             self.runner = ModelRunner(self.model, self.kv, backend, self.device)

@@ -147,7 +147,9 @@ def test_preemption_under_memory_pressure():
     want = [o.token_ids for o in roomy.generate(prompts, p)]
     del roomy
     # 30 layers x 3 kv heads x 64 dims x 4 bytes x 2 x 16 tokens = 737 kB a page: 12 pages.
-    tight = Engine(model="smollm2-135m-instruct", device="cpu", kv_cache_gb=0.0085)
+    # schedule_conservativeness=0: admit eagerly, so the pool runs short and preempts
+    tight = Engine(model="smollm2-135m-instruct", device="cpu", kv_cache_gb=0.0085,
+                   schedule_conservativeness=0)
     assert tight.memory_stats()["pages_total"] < 6 * 3
     got = [o.token_ids for o in tight.generate(prompts, p)]
     assert got == want

@@ -93,7 +93,7 @@ def test_overlap_with_penalties_preemption_and_cache(folder):
         SamplingParams(max_tokens=24, temperature=0)] * 4
     runs = {}
     for overlap in (False, True):
-        engine = _engine(folder, overlap, kv_cache_gb=0.00008)
+        engine = _engine(folder, overlap, kv_cache_gb=0.00008, schedule_conservativeness=0)
         first = _run(engine, prompts, params)
         second = _run(engine, prompts, params)
         runs[overlap] = (first, second, engine.core.scheduler.num_preemptions)

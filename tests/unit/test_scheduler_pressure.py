@@ -1,7 +1,9 @@
 """Scheduling under memory pressure on a tiny Gemma 3 (three SWA layers, one full): long
 prompts start in shorter chunks when a whole chunk's pages do not fit at once, admission keeps
-the running requests' next pages free (no admit-then-preempt churn), and a request that can
-never fit, even alone, is aborted instead of looping. Outputs always equal an unpressured run."""
+the running requests' next pages free (no admit-then-preempt churn) and, by default, their
+expected output's pages too (no preemption at all for requests that ignore EOS), and a
+request that can never fit, even alone, is aborted instead of looping. Outputs always equal
+an unpressured run."""
 
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def _engine(folder, num_pages: int | None = None, **kw) -> Engine:
         core.memory = MemoryManager(**kw_pool)
         core.cache = build_prefix_cache(core.config, core.memory, core.kv)
         core.scheduler = Scheduler(core.memory, core.config.max_num_seqs,
-                                   core.config.max_num_batched_tokens, core.cache)
+                                   core.config.max_num_batched_tokens, core.cache,
+                                   core.config.schedule_conservativeness)
     return eng
 
 
@@ -73,19 +76,63 @@ def test_long_prompt_starts_in_shorter_chunks(folder):
     eng.core.memory.check_integrity()
 
 
-def test_pressure_preempts_a_bounded_number_of_times(folder):
+@pytest.mark.parametrize("conservativeness", [0.0, 1.0])
+def test_pressure_preempts_a_bounded_number_of_times(folder, conservativeness):
     prompts = _prompts(6, 60, seed=1)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in _engine(folder).generate(prompt_token_ids=prompts,
                                                          sampling_params=params)]
-    eng = _engine(folder, num_pages=120, disable_prefix_cache=True)
+    eng = _engine(folder, num_pages=120, disable_prefix_cache=True,
+                  schedule_conservativeness=conservativeness)
     got = [o.token_ids for o in eng.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert got == want
     eng.core.memory.check_integrity()
-    # Each request ends with 25 full-group pages plus SWA pages: the pool holds about three at
-    # once, so some preemptions are expected (recompute keeps outputs equal), but admission
-    # keeps the running requests' next pages free: no admit-preempt livelock.
-    assert 0 < eng.core.scheduler.num_preemptions <= 2 * len(prompts)
+    preempted = eng.core.scheduler.num_preemptions
+    if conservativeness == 0:
+        # Each request ends with 25 full-group pages plus SWA pages: the pool holds about three
+        # at once; admitted eagerly, some are preempted (recompute keeps outputs equal), but
+        # admission keeps the running requests' next pages free: no admit-preempt livelock.
+        assert 0 < preempted <= 2 * len(prompts)
+    else:
+        # These requests ignore EOS: admission keeps their whole output's pages free, so none
+        # is admitted only to be preempted and recomputed.
+        assert preempted == 0
+
+
+def test_decode_growth_estimate(folder):
+    """What admission expects a running request to add: all its remaining tokens when it
+    ignores EOS, else its min_tokens due plus the new-token ratio of the rest (clipped); the
+    ratio decays while steps run and rises on a preemption."""
+    from swaserve.engine import scheduler as sch
+    from swaserve.engine.request import Request
+
+    s = _engine(folder).core.scheduler
+
+    def req(**kw) -> Request:
+        return Request("r", [5] * 10, SamplingParams(**kw), max_tokens=kw.get("max_tokens", 100))
+
+    assert s.expected_new_tokens(req(max_tokens=100, ignore_eos=True)) == 100
+    s.new_token_ratio = 0.5
+    assert s.expected_new_tokens(req(max_tokens=100)) == 50
+    assert s.expected_new_tokens(req(max_tokens=100, min_tokens=20)) == 20 + 40
+    r = req(max_tokens=10**6)
+    assert s.expected_new_tokens(r) == sch.CLIP_MAX_NEW_TOKENS // 2
+    r.output_token_ids = [7] * (10**6)
+    assert s.expected_new_tokens(r) == 0  # done
+    s.conservativeness = 0.0
+    assert s.expected_new_tokens(req(max_tokens=100, ignore_eos=True)) == 0
+    s.conservativeness = 1.0
+    # decay over scheduled steps, never below the floor; a preemption raises it
+    eng = _engine(folder)
+    s = eng.core.scheduler
+    eng.generate(prompt_token_ids=_prompts(2, 10), sampling_params=GREEDY)
+    assert sch.MIN_NEW_TOKEN_RATIO <= s.new_token_ratio < sch.INIT_NEW_TOKEN_RATIO
+    s.new_token_ratio = sch.MIN_NEW_TOKEN_RATIO
+    victim = Request("v", [5] * 4, GREEDY, max_tokens=12)
+    s.running.append(victim)
+    s._preempt(victim, sch.ScheduledBatch())
+    assert s.new_token_ratio >= sch.INIT_NEW_TOKEN_RATIO
+    s.waiting.clear()
 
 
 def test_request_that_never_fits_alone_is_aborted(folder):

@@ -171,7 +171,8 @@ def test_oracle_full_partial_and_zero_acceptance_through_prefix_hits_and_preempt
     assert h[0] > 0 and h[-1] > 0 and len(h) == 5 and sum(h[1:-1]) > 0, h
     # a pool small enough that requests are preempted and recomputed
     tight = _engine(folder, spec=True, speculative_num_draft_tokens=4,
-                    kv_cache_gb=_pool_gb(folder, 34), max_num_batched_tokens=32)
+                    kv_cache_gb=_pool_gb(folder, 34), max_num_batched_tokens=32,
+                    schedule_conservativeness=0)
     _with_oracle(tight, prompts, want)
     got = _run(tight, prompts, params)
     assert tight.core.scheduler.num_preemptions > 0
