@@ -151,6 +151,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         playground=not args.disable_playground,
     )
     config = EngineConfig(**engine_kwargs(args))
+    if config.disaggregation_mode:  # a missing transfer library fails now, not after loading
+        from swaserve.disaggregation.transfer import check_transfer_backend
+
+        check_transfer_backend(config.disaggregation_transfer_backend)
     if config.node_rank > 0:  # another machine's tensor-parallel ranks: no HTTP, no engine core
         import logging
 
@@ -161,6 +165,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return run_node(config, resolve_folder(config.model))
     return serve(config, server_args)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from swaserve.disaggregation.router import serve_router
+
+    return serve_router(args.prefill, args.decode, args.host, args.port, args.api_key,
+                        args.log_level)
+
+
+def add_router_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill instances (`swaserve serve --disaggregation-mode prefill`)")
+    r.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode instances (`swaserve serve --disaggregation-mode decode`)")
+    r.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s)")
+    r.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    r.add_argument(
+        "--api-key", default=os.environ.get("SWASERVE_API_KEY"), metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/*, and send it to the instances "
+        "(they share it) (default: $SWASERVE_API_KEY, else none)",
+    )
+    r.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical"],
+                   help="log level (default: %(default)s)")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -201,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_server_args(add_engine_args(s), s)
     s.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("router", help="OpenAI-compatible front door of prefill/decode pairs")
+    add_router_args(r)
+    r.set_defaults(func=cmd_router)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -73,6 +73,11 @@ class EngineConfig:
     # Data parallelism (server only, dense models): D engine-core replicas behind one frontend.
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE experts split over the DP ranks: not yet
+    # Prefill/decode disaggregation (docs/architecture.md §9.3, swaserve/disaggregation/):
+    # `serve` only; a PD pair is two instances behind `swaserve router`.
+    disaggregation_mode: str | None = None  # prefill | decode
+    disaggregation_transfer_backend: str = "nixl"  # nixl | local
+    disaggregation_timeout: float = 60.0  # seconds one side of a pair waits for the other
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -110,6 +115,7 @@ class EngineConfig:
             raise bad("max_model_len", "must be >= 1")
         self._check_speculative(bad)
         self._check_parallel(bad)
+        self._check_disaggregation(bad)
         self._check_device()
 
     def _check_speculative(self, bad) -> None:
@@ -174,6 +180,23 @@ class EngineConfig:
                 f"with --device {self.device}: replica i uses cuda:i; give --device cuda "
                 "(CUDA_VISIBLE_DEVICES picks the GPUs)",
             )
+
+    def _check_disaggregation(self, bad) -> None:
+        """A PD instance: what does not run inside a pair yet is refused before loading."""
+        if not self.disaggregation_timeout > 0:
+            raise bad("disaggregation_timeout", "must be > 0")
+        mode = self.disaggregation_mode
+        if mode is None:
+            return
+        unsupported = [
+            ("speculative_algorithm", self.speculative_algorithm is not None),
+            ("tensor_parallel_size", self.tensor_parallel_size > 1),
+            ("data_parallel_size", self.data_parallel_size > 1),
+        ]
+        for name, on in unsupported:
+            if on:
+                raise bad(name, f"is not supported inside a prefill/decode pair "
+                          f"(--disaggregation-mode {mode}) yet")
 
     def _check_device(self) -> None:
         """--device names a device this torch can use: a ValueError now, not a traceback
@@ -241,7 +264,8 @@ class EngineConfig:
 
 # Argument groups, in --help order (`serve` adds "server" after them).
 GROUPS = (
-    "model", "memory", "scheduling", "GPU", "cache", "speculative decoding", "distributed"
+    "model", "memory", "scheduling", "GPU", "cache", "speculative decoding", "distributed",
+    "disaggregation",
 )
 
 
@@ -399,6 +423,22 @@ FLAGS: dict[str, FlagInfo] = {
     ),
     "enable_expert_parallel": FlagInfo(
         "distributed", "split MoE experts over the data-parallel ranks (not supported yet)"
+    ),
+    # disaggregation
+    "disaggregation_mode": FlagInfo(
+        "disaggregation",
+        "serve: this instance's role in a prefill/decode pair behind `swaserve router`",
+        ("prefill", "decode"),
+        default="off: prefill and decode here",
+    ),
+    "disaggregation_transfer_backend": FlagInfo(
+        "disaggregation",
+        "how KV pages move between the pair: nixl (UCX: DRAM on CPU, VRAM on GPU) or local "
+        "(processes of one host, CPU)",
+        ("nixl", "local"),
+    ),
+    "disaggregation_timeout": FlagInfo(
+        "disaggregation", "seconds one side of a pair waits for the other before failing"
     ),
 }
 

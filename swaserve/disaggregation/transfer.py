@@ -239,3 +239,15 @@ def create_transfer_backend(kind: str, name: str, **kwargs: Any) -> TransferBack
         raise ValueError(f"unknown transfer backend {kind!r}; choose from {sorted(BACKENDS)}")
     module, cls = BACKENDS[kind].split(":")
     return getattr(importlib.import_module(module), cls)(name, **kwargs)
+
+
+def check_transfer_backend(kind: str) -> None:
+    """At start, before any model loads: ValueError (the error text names the package) when
+    backend `kind` cannot work here."""
+    if kind == "nixl":
+        from swaserve.disaggregation.nixl_backend import _import_nixl
+
+        try:
+            _import_nixl()
+        except RuntimeError as e:
+            raise ValueError(str(e)) from None

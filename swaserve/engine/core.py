@@ -83,6 +83,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, folder: Path, server: bool = False) -> None:
         """`server`: the OpenAI server's core (its device defaults favour latency)."""
         self.parallel = None  # TensorParallel (swaserve/distributed/launch.py) when T > 1
+        # A PD prefill instance's side (swaserve/disaggregation/prefill_side.py): `_finish`
+        # lets it hold a computed sample's pages until they are sent.
+        self.disagg: Any = None
+        if config.disaggregation_mode and not server:
+            raise ValueError("--disaggregation-mode is for `swaserve serve` only")
         if config.data_parallel_size > 1:  # the server starts one core per replica
             raise ValueError(
                 f"--data-parallel-size {config.data_parallel_size} is for `swaserve serve` only"
@@ -174,7 +179,9 @@ class EngineCore:
         if config.speculative_algorithm:
             self.spec = Speculation(config, self.sampler, self.max_model_len, self.memory,
                                     self.kv, self._dflash_proposer())
-        self.overlap = not config.disable_overlap_schedule and self.spec is None
+        # A PD prefill instance reads a sample's generator right after its one draw: no overlap.
+        self.overlap = (not config.disable_overlap_schedule and self.spec is None
+                        and config.disaggregation_mode != "prefill")
         if self.dflash_config is not None:  # every path hands the drafter these outputs
             self.runner.keep = self.dflash_config.target_layer_ids
         if config.cuda_graph_max_bs > 0 and self.device.type == "cuda":
@@ -640,6 +647,8 @@ class EngineCore:
         return out
 
     def _finish(self, req: Request) -> None:
+        if self.disagg is not None and self.disagg.hold(req):
+            return  # a PD prefill instance: its pages stay until they are sent
         if req.status is RequestStatus.RUNNING:
             self.scheduler.finish(req)
         else:  # preempted while its last step was in flight: it waits in the queue

@@ -80,6 +80,9 @@ class ServerState:
     # --model as given; requests may name it or model_name (--served-model-name).
     model_path: str | None = None
     playground: bool = True  # serve the playground page at / (--disable-playground: off)
+    # A PD instance (--disaggregation-mode): its core's mode, bootstrap address and transfer
+    # backend, served at /v1/disaggregation for the router; None on a plain instance.
+    disaggregation: dict | None = None
     # Tokenizing and chat templates run here, not on the event loop: a long prompt would stall
     # every other request's streaming. One thread: requests tokenized in arrival order, and
     # the tokenizer never used from two threads at once.
@@ -214,6 +217,16 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.playground:
         _add_playground(app)
+
+    @app.get("/v1/disaggregation")
+    async def disaggregation() -> Response:
+        """What `swaserve router` needs of a PD instance (404 on a plain one)."""
+        if state.disaggregation is None:
+            raise APIError(404, "this server is not a prefill/decode instance")
+        if state.client.dead is not None:
+            return APIError(503, f"engine core is not running: {state.client.dead}").response()
+        return JSONResponse({**state.disaggregation, "model": state.model_name,
+                             "max_model_len": state.max_model_len})
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -354,8 +367,10 @@ def _start(
     prompts: list[tuple[str | None, list[int]]],
     params: SamplingParams,
     stream: bool,
+    disagg: dict | None = None,
 ) -> tuple[asyncio.Queue, list[str]]:
-    """Adds one core request group per prompt; all share one queue."""
+    """Adds one core request group per prompt; all share one queue. `disagg`: the router's
+    bootstrap fields on a PD instance (prompt k's bootstrap id gets `.k`)."""
     client = state.client
     total = len(prompts) * params.n
     if total > client.max_in_flight:
@@ -374,14 +389,30 @@ def _start(
     rids = [rid_base] if len(prompts) == 1 else [f"{rid_base}-p{i}" for i in range(len(prompts))]
     started: list[str] = []
     try:
-        for rid, (text, ids) in zip(rids, prompts):
-            client.add(rid, text, ids, params, queue, stream)
+        for k, (rid, (text, ids)) in enumerate(zip(rids, prompts)):
+            extra = {}
+            if disagg is not None:
+                extra["disagg"] = {**disagg, "bootstrap": f"{disagg['bootstrap']}.{k}"}
+            client.add(rid, text, ids, params, queue, stream, **extra)
             started.append(rid)
     except (CoreUnavailable, QueueFull, ValueError) as e:
         for rid in started:
             client.abort(rid)
         raise APIError(400 if isinstance(e, ValueError) else 503, str(e)) from None
     return queue, rids
+
+
+def _disagg(state: ServerState, raw: Request) -> dict | None:
+    """The router's bootstrap headers on a PD instance (swaserve/disaggregation/bootstrap.py);
+    None for a request that came without them (served here alone) or on a plain instance."""
+    if state.disaggregation is None:
+        return None
+    from swaserve.disaggregation.bootstrap import BOOTSTRAP_HEADER, PEER_HEADER
+
+    bootstrap = raw.headers.get(BOOTSTRAP_HEADER)
+    if not bootstrap:
+        return None
+    return {"bootstrap": bootstrap, "peer": raw.headers.get(PEER_HEADER)}
 
 
 async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:
@@ -488,7 +519,7 @@ async def _completions(state: ServerState, body: P.CompletionRequest, raw: Reque
         _check_prompt(state, ids, params)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    queue, rids = _start(state, rid, prompts, params, bool(body.stream))
+    queue, rids = _start(state, rid, prompts, params, bool(body.stream), _disagg(state, raw))
     view = _CompletionView(state, body, params, prompts, rids, rid, created)
     if body.stream:
         return _stream_response(view.stream(_events(state, queue, rids)), state, rids)
@@ -661,7 +692,9 @@ async def _chat(state: ServerState, body: P.ChatCompletionRequest, raw: Request)
     _check_prompt(state, ids, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    queue, rids = _start(state, rid, [(prompt, ids)], params, bool(body.stream))
+    queue, rids = _start(
+        state, rid, [(prompt, ids)], params, bool(body.stream), _disagg(state, raw)
+    )
     view = _ChatView(state, body, params, ids, rid, created)
     if body.stream:
         return _stream_response(view.stream(_events(state, queue, rids)), state, rids)

@@ -202,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             log.error("engine core failed: %s", e)
             _last_words(None, ctx, spec["out_addr"], str(e))
             return 1
-        loop = CoreLoop(core, spec["in_addr"], spec["out_addr"])
+        loop_class = CoreLoop
+        if config.disaggregation_mode:  # a PD instance: its side of the pair beside the engine
+            from swaserve.disaggregation.core_loop import DisaggCoreLoop as loop_class
+        loop = loop_class(core, spec["in_addr"], spec["out_addr"])
         loop.run()
         return 0
     except Exception:

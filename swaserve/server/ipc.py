@@ -15,7 +15,9 @@ Every message is a msgpack list whose first item is its kind:
                          stats: see core_process.core_stats; queue_times: seconds from arrival
                          in the core to first scheduled, of each core request first
                          scheduled since the last message
-    ["reject", [core_id, ...], message]                   an add the core refused (ValueError)
+    ["reject", [core_id, ...], message, status?]          an add the core refused (ValueError;
+                                                          status 400), or a PD transfer that
+                                                          failed (503)
     ["dead", message]                                     the core's last words (a traceback,
                                                           or one line for a bad flag at start)
 
@@ -201,9 +203,11 @@ class CoreClient:
         params: SamplingParams,
         queue: asyncio.Queue,
         stream: bool,
+        disagg: dict | None = None,
     ) -> None:
         """Starts a request; its outputs arrive on `queue` as (request_id, RequestOutput) and
-        end with one that is `finished` (or a RequestFailed)."""
+        end with one that is `finished` (or a RequestFailed). `disagg`: a PD instance's
+        bootstrap fields (swaserve/disaggregation/), sent with each sample and its index."""
         if self.dead is not None:
             raise CoreUnavailable(f"engine core is not running: {self.dead}")
         if self.num_in_flight + params.n > self.max_in_flight:
@@ -229,6 +233,7 @@ class CoreClient:
             self._timing[cid] = _Timing(now, num_prompt_tokens=len(prompt_token_ids))
         children = [
             [cid, prompt_token_ids, child_params(params, i).to_dict()]
+            + ([{**disagg, "index": i}] if disagg else [])
             for i, cid in enumerate(core_ids)
         ]
         self._send.send(encode([ADD, children]))
@@ -284,7 +289,7 @@ class CoreClient:
                 others = [c for c in live if c not in msg[1]]
                 if others:
                     self._send.send(encode([ABORT, others]))
-                q.put_nowait((rid, RequestFailed(msg[2], 400)))
+                q.put_nowait((rid, RequestFailed(msg[2], msg[3] if len(msg) > 3 else 400)))
         elif kind == READY:
             self.info = msg[1]
             if "max_num_seqs" in self.info:

@@ -231,6 +231,7 @@ async def _main(
             metrics=metrics,
             created=int(time.time()),
             playground=args.playground,
+            disaggregation=info.get("disaggregation"),
         )
         server = _server_class()(
             uvicorn.Config(

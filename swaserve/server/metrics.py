@@ -17,6 +17,8 @@ series.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -143,6 +145,7 @@ class Metrics:
         )
         self.core_alive = Gauge(P + "engine_core_alive", "1 while the core runs", registry=r)
         self.core_alive.set(1)
+        self.transfer: Any = None  # PD instances: disaggregation/transfer_stats.TransferMetrics
 
     def observe_spec(self, spec: dict) -> None:
         """A finished request's speculative decoding counters (vLLM's metric names):
@@ -158,6 +161,12 @@ class Metrics:
     def update_core_stats(self, stats: dict) -> None:
         if not stats:
             return
+        if "kv_transfer" in stats:  # a PD instance's transfers (DESIGN §11 names)
+            if self.transfer is None:
+                from swaserve.disaggregation.transfer_stats import TransferMetrics
+
+                self.transfer = TransferMetrics(self.registry, P)
+            self.transfer.update(stats["kv_transfer"])
         self.running.set(stats.get("num_running", 0))
         self.waiting.set(stats.get("num_waiting", 0))
         mem = stats.get("memory", {})

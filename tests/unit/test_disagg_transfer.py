@@ -273,3 +273,50 @@ def test_nixl_dead_peer_fails_fast(peer, nixl_prefill):
     assert state == "failed" and took < 6, (state, took)
     assert "failed" in nixl_prefill.error(h) or "timed out" in nixl_prefill.error(h)
     print(f"dead peer: failed after {took:.3f} s: {nixl_prefill.error(h)}")
+
+
+# ---- the local backend between processes (process_vm_writev + a loopback notice) -----------
+
+
+def _local_peer(conn, name: str) -> None:
+    torch.set_num_threads(1)
+    decode = pool(24, 1)
+    backend = create_transfer_backend("local", name)
+    conn.send((backend.register(decode.kv, LAYOUT), decode.kv.clone()))
+    deadline, got = time.monotonic() + 20, []
+    while not got and time.monotonic() < deadline:
+        got = backend.notifications()
+        time.sleep(0.002)
+    conn.send((got, decode.kv.clone()))
+    conn.recv()  # stay alive until told, or until killed
+    backend.close()
+
+
+def test_local_backend_between_processes():
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    name = f"decode-{uuid.uuid4().hex[:8]}"
+    proc = ctx.Process(target=_local_peer, args=(there, name), daemon=True)
+    proc.start()
+    prefill = pool(16, 0)
+    a = create_transfer_backend("local", f"prefill-{uuid.uuid4().hex[:8]}")
+    try:
+        a.register(prefill.kv, LAYOUT)
+        assert here.poll(60), "the decode process did not start"
+        descriptor, before = here.recv()
+        a.connect(name, descriptor)
+        h = a.write_pages(name, SRC, DST, b"req-1")
+        assert a.poll(h) == "done", a.error(h)
+        assert here.poll(20)
+        notes, after = here.recv()
+        assert notes == [(a.name, b"req-1")]
+        assert same_bytes(after, expected_after(before, prefill.kv))
+        proc.kill()
+        proc.join(10)
+        for src, dst in ((SRC, DST), ([], [])):  # pages, or the notice alone
+            h = a.write_pages(name, src, dst, b"req-2")
+            assert a.poll(h) == "failed" and "is gone" in a.error(h)
+    finally:
+        a.close()
+        if proc.is_alive():
+            proc.kill()
