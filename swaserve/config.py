@@ -364,7 +364,8 @@ FLAGS: dict[str, FlagInfo] = {
         default="min(--max-num-batched-tokens, 2048)",
     ),
     "disable_fused_ops": FlagInfo(
-        "GPU", "eager torch RMSNorm, rotary and activations instead of the Triton kernels"
+        "GPU", "eager torch RMSNorm, rotary and activations instead of the Triton kernels; "
+        "on CPU, dense float32 weights instead of oneDNN-packed ones"
     ),
     # cache
     "disable_prefix_cache": FlagInfo("cache", "no prefix cache: no KV reuse across requests"),

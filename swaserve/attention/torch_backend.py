@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swaserve.attention.base import AttentionBackend, AttentionInputs, slot_mapping
+from swaserve.attention.base import AttentionBackend, AttentionInputs
 from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.models.blocks import AttentionSpec
 
@@ -31,6 +31,8 @@ class TorchGroupMetadata:
     context_lens: list[int]  # per request: position of its first new token
     seq_lens: list[int]  # per request: context + new tokens
     device: torch.device
+    # [R, W]: row r holds kv_slots[r] then zeros (slot 0 of the NULL page) up to the longest
+    padded: torch.Tensor | None = None
     # (request, layer window) -> (visible slots, [q_len, num_keys] bool mask, True = may
     # attend); ("decode", layer window) -> decode_view's batch
     _views: dict[tuple, tuple] = field(default_factory=dict)
@@ -39,37 +41,61 @@ class TorchGroupMetadata:
         """Slots and mask of request r's keys for a layer of `window` (None: full attention)."""
         key = (r, window)
         if key not in self._views:
-            ctx, end, kept = self.context_lens[r], self.seq_lens[r], self.key_start[r]
-            start = 0 if window is None else max(0, ctx - window + 1)
-            if start < kept:
-                raise ValueError(
-                    f"a layer of window {window} in a group that keeps keys from {kept} only "
-                    f"(request {r}, context {ctx}): its group's window is narrower"
-                )
+            ctx, end = self.context_lens[r], self.seq_lens[r]
+            start = self._layer_start(r, window)
             qpos = torch.arange(ctx, end)[:, None]
             kpos = torch.arange(start, end)[None, :]
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-            self._views[key] = (self.kv_slots[r][start - kept :], mask.to(self.device))
+            self._views[key] = (self.kv_slots[r][start - self.key_start[r] :],
+                                mask.to(self.device))
         return self._views[key]
 
-    def decode_view(self, window: int | None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    def _layer_start(self, r: int, window: int | None) -> int:
+        """Position of request r's first key visible to a layer of `window`."""
+        ctx, kept = self.context_lens[r], self.key_start[r]
+        start = 0 if window is None else max(0, ctx - window + 1)
+        if start < kept:
+            raise ValueError(
+                f"a layer of window {window} in a group that keeps keys from {kept} only "
+                f"(request {r}, context {ctx}): its group's window is narrower"
+            )
+        return start
+
+    def decode_view(
+        self, window: int | None
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
         """The requests with one new token (decodes), batched for a layer of `window`: their
         indices, their visible slots padded to the longest `[R, L]` (padding reads slot 0 of
-        the NULL page) and the mask `[R, 1, L]` (True = may attend; padding False)."""
+        the NULL page), the mask `[R, 1, L]` (True = may attend; padding False) and their
+        rows in the step's tokens `[R]`. A decode token sees every visible key: the mask only
+        cuts the padding."""
         key = ("decode", window)
         if key not in self._views:
             n = len(self.seq_lens)
             rows = [r for r in range(n) if self.seq_lens[r] - self.context_lens[r] == 1]
-            views = [self.visible(r, window) for r in rows]
-            width = max((len(sl) for sl, _ in views), default=0)
-            slots = torch.zeros(len(rows), width, dtype=torch.int64, device=self.device)
-            mask = torch.zeros(len(rows), 1, width, dtype=torch.bool, device=self.device)
-            for i, (sl, m) in enumerate(views):
-                slots[i, : len(sl)] = sl
-                mask[i, :, : len(sl)] = m
-            self._views[key] = (rows, slots, mask)
+            if len(rows) < 2:  # the forward batches two decodes or more
+                self._views[key] = (rows, None, None, None)
+                return self._views[key]
+            starts = [self._layer_start(r, window) for r in rows]
+            offsets = [s - self.key_start[r] for r, s in zip(rows, starts)]
+            lens = torch.tensor([self.seq_lens[r] - s for r, s in zip(rows, starts)])
+            width = int(lens.max())
+            dev = self.device
+            valid = (torch.arange(width)[None, :] < lens[:, None]).to(dev)
+            picked = self.padded[torch.tensor(rows, device=dev)]
+            if any(offsets):  # a layer narrower than its group: each row from its offset
+                cols = torch.tensor(offsets)[:, None] + torch.arange(width)[None, :]
+                cols = cols.clamp_(max=picked.shape[1] - 1).to(dev)
+                slots = picked.gather(1, cols).masked_fill_(~valid, 0)
+            else:  # rows hold zeros after their keys already
+                slots = picked[:, :width]
+            first = [0]  # query_start_loc: a decode's token is at first[r]
+            for r in range(n):
+                first.append(first[-1] + self.seq_lens[r] - self.context_lens[r])
+            at = torch.tensor([first[r] for r in rows], device=dev)
+            self._views[key] = (rows, slots, valid[:, None, :], at)
         return self._views[key]
 
 
@@ -77,6 +103,23 @@ class TorchGroupMetadata:
 class TorchMetadata:
     query_start_loc: list[int]  # [B + 1]
     groups: list[TorchGroupMetadata]
+
+
+def padded_slots(
+    tables: list[list[int]], starts: list[int], ends: list[int], page_size: int
+) -> torch.Tensor:
+    """[R, max(ends - starts)] flat pool slots of positions [starts[r], ends[r]) of request r
+    under page table tables[r], zeros after them: `slot_mapping` of every request at once."""
+    i64 = torch.int64
+    width = max((e - s for s, e in zip(starts, ends)), default=0)
+    pages = max((len(t) for t in tables), default=0)
+    if width == 0 or pages == 0:
+        return torch.zeros(len(tables), width, dtype=i64)
+    table = torch.tensor([t + [0] * (pages - len(t)) for t in tables], dtype=i64)
+    pos = torch.tensor(starts, dtype=i64)[:, None] + torch.arange(width)[None, :]
+    valid = pos < torch.tensor(ends, dtype=i64)[:, None]
+    page = table.gather(1, (pos // page_size).clamp_(max=pages - 1))
+    return (page * page_size + pos % page_size).masked_fill_(~valid, 0)
 
 
 class TorchBackend(AttentionBackend):
@@ -87,19 +130,22 @@ class TorchBackend(AttentionBackend):
             qsl.append(qsl[-1] + n)
         ctxs = list(inputs.context_lens)
         ends = [c + n for c, n in zip(ctxs, inputs.query_lens)]
+        # Token t of the step is request req[t]'s token t - qsl[req[t]], at that request's
+        # position ctx + t - qsl: column ctx - start + t - qsl of its row of `padded`.
+        i64 = torch.int64
+        req = torch.repeat_interleave(torch.tensor(inputs.query_lens, dtype=i64))
+        tok = torch.arange(len(req)) - torch.tensor(qsl[:-1], dtype=i64)[req]
         groups = []
         for g, group in enumerate(self.layout.groups):
-            new_slots, kv_slots, starts = [], [], []
-            for r, (ctx, end) in enumerate(zip(ctxs, ends)):
-                table = inputs.page_tables[r][g]
-                new_slots.append(slot_mapping(table, ctx, end, ps))
-                start = 0 if group.window is None else max(0, ctx - group.window + 1)
-                kv_slots.append(slot_mapping(table, start, end, ps).to(self.device))
-                starts.append(start)
+            starts = [0 if group.window is None else max(0, c - group.window + 1) for c in ctxs]
+            padded = padded_slots([pt[g] for pt in inputs.page_tables], starts, ends, ps)
+            skip = torch.tensor([c - s for c, s in zip(ctxs, starts)], dtype=i64)
+            new_slots = padded[req, skip[req] + tok]
+            padded = padded.to(self.device)
+            kv_slots = [padded[r, : e - s] for r, (s, e) in enumerate(zip(starts, ends))]
             groups.append(
                 TorchGroupMetadata(
-                    torch.cat(new_slots).to(self.device), kv_slots, starts, ctxs, ends,
-                    self.device,
+                    new_slots.to(self.device), kv_slots, starts, ctxs, ends, self.device, padded
                 )
             )
         return TorchMetadata(qsl, groups)
@@ -123,16 +169,20 @@ class TorchBackend(AttentionBackend):
         fp8 = fb.kv.is_fp8
         # Decodes in one batched call (a per-request loop costs more than the math on CPU);
         # they read their own key from the cache like the rest, fp8 included.
-        rows, slots, mask = gm.decode_view(spec.window)  # the layer's window, not the group's
+        rows, slots, mask, at = gm.decode_view(spec.window)  # the layer's window
         if len(rows) > 1:
             # `slots` may be a column slice of the batch's padded table (not contiguous)
             keys, vals = fb.kv.read(spec.layer_id, slots.reshape(-1))
             shape = (*slots.shape, *keys.shape[1:])
-            at = torch.tensor([qsl[r] for r in rows], device=q.device)
-            out[at] = attend_batched(
-                q[at][:, None], keys.view(shape), vals.view(shape), mask, spec.scale,
-                spec.softcap, sinks,
+            every = len(rows) == q.shape[0]  # a pure decode step: no row to pick
+            o = attend_batched(
+                (q if every else q[at])[:, None], keys.view(shape), vals.view(shape), mask,
+                spec.scale, spec.softcap, sinks,
             )[:, 0]
+            if every:
+                out.copy_(o)
+            else:
+                out[at] = o
         batched = set(rows) if len(rows) > 1 else set()
         for r in range(len(qsl) - 1):
             if r in batched:

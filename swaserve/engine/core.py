@@ -126,6 +126,13 @@ class EngineCore:
             from swaserve.ops import enable_fused_ops
 
             enable_fused_ops(self.model)  # before profiling, calibration and graph capture
+        elif self.device.type == "cpu" and not config.disable_fused_ops and tp is None:
+            from swaserve.ops.cpu_pack import pack_cpu_weights
+
+            # float32 GEMMs through oneDNN on weights packed in place of the dense ones; before
+            # the KV pool, so the one moment two copies of the vocabulary table exist stays
+            # below the engine's steady resident memory
+            pack_cpu_weights(self.model)
         self.eos_token_ids = eos_token_ids(folder, hf)
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
         if tp is not None:  # this rank's KV heads: its pool is sized for them

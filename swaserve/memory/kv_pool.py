@@ -10,11 +10,27 @@ saturated at +-448, and readers multiply back (the Triton kernels fold the scale
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from swaserve.memory.groups import GroupLayout
 
 FP8_MAX = 448.0
+PAGE_BYTES = 4096  # the OS page: lazy_zeros aligns the pool to it
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages become resident only when written (`torch.zeros` writes
+    every byte: a 2 GiB pool was 2 GiB of RSS from the start, in every engine of a test run).
+    calloc maps fresh zero pages for a block this large without touching them; the data
+    starts on a page boundary."""
+    import numpy as np
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.from_numpy(np.zeros(nbytes + PAGE_BYTES, dtype=np.uint8))
+    start = -raw.data_ptr() % PAGE_BYTES
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 class KVPool:
@@ -34,7 +50,10 @@ class KVPool:
         self.dtype = dtype
         self.is_fp8 = dtype == torch.float8_e4m3fn
         shape = (layout.slots_per_page, 2, num_pages, page_size, num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":
+            self.kv = lazy_zeros(shape, dtype)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
         n = len(layout.layer_to_slot)
         self.k_scales = [1.0] * n  # per layer; 1.0 and unused unless fp8
         self.v_scales = [1.0] * n
@@ -67,8 +86,10 @@ class KVPool:
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[len(slots), kv_heads, head_dim]` at flat slots, dequantised to float32."""
         k_cache, v_cache = self.layer_cache(layer_id)
-        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots].float()
-        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots].float()
+        # index_select, not advanced indexing: it copies whole [kv_heads, head_dim] rows
+        # (~7x faster on CPU for decode batches' thousands of slots)
+        k = torch.index_select(k_cache.reshape(-1, *k_cache.shape[2:]), 0, slots).float()
+        v = torch.index_select(v_cache.reshape(-1, *v_cache.shape[2:]), 0, slots).float()
         if self.is_fp8:
             ks, vs = self.layer_scales(layer_id)
             k, v = k * ks, v * vs

@@ -222,8 +222,14 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported activation {act!r}")
         self.act_name = act
         self.act = ACTIVATIONS[act]
+        # gate|up as one GEMM with the weights packed for the CPU (swaserve/ops/cpu_pack.py);
+        # gate_proj and up_proj are then removed.
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         if self.fused:
             from swaserve.ops.activation import act_and_mul
 
@@ -277,12 +283,18 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.zeros(h)) if sinks else None
         self.rotary = rotary
+        # q|k|v as one GEMM with the weights packed for the CPU (swaserve/ops/cpu_pack.py);
+        # q_proj, k_proj and v_proj are then removed.
+        self.qkv_proj: nn.Module | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         s = self.spec
-        if self.fused:  # q, k, v: strided views of one GEMM output
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        if self.fused or self.qkv_proj is not None:  # q, k, v: strided views of one GEMM output
+            if self.qkv_proj is not None:
+                qkv = self.qkv_proj(x)
+            else:
+                qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
             kv_dim = s.num_kv_heads * s.head_dim
             q, k, v = qkv.split([s.num_heads * s.head_dim, kv_dim, kv_dim], dim=-1)
         else:
@@ -319,3 +331,13 @@ def layer_type_names(config: Any) -> list[str]:
 def head_dim_of(config: Any) -> int:
     hd = getattr(config, "head_dim", None)
     return hd if hd else config.hidden_size // config.num_attention_heads
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The raw logits (no soft-capping) of `model`'s head: the tied embedding table or lm_head,
+    either of which may hold its weight packed for the CPU (swaserve/ops/cpu_pack.py)."""
+    head = model.model.embed_tokens if model.tie_word_embeddings else model.lm_head
+    packed = getattr(head, "packed", None)
+    if packed is not None:
+        return packed.linear(hidden)
+    return F.linear(hidden, head.weight)

@@ -18,6 +18,7 @@ from swaserve.models.blocks import (
     Rotary,
     add_rmsnorm,
     head_dim_of,
+    head_logits,
     layer_type_names,
     layer_windows,
     rope_attention_scaling,
@@ -115,8 +116,7 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, w)
+        logits = head_logits(self, hidden)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

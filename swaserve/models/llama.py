@@ -19,6 +19,7 @@ from swaserve.models.blocks import (
     Rotary,
     add_rmsnorm,
     head_dim_of,
+    head_logits,
     layer_windows,
     rope_attention_scaling,
     rope_inv_freq,
@@ -105,5 +106,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w)
+        return head_logits(self, hidden)

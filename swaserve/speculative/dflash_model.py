@@ -199,11 +199,18 @@ class DFlashDrafter(nn.Module):
         rope = SimpleNamespace(rope_parameters=dict(cfg.rope_parameters))
         self.rotary_emb = Rotary(rope_inv_freq(rope, cfg.head_dim, None))
 
-    def embed_block(self, token_ids: Tensor, target_embedding: Tensor) -> Tensor:
-        """Block inputs [B, hidden] from the target's raw embedding table [V, hidden]: the
-        reference scales by the drafter's input_embedding_scale only (Gemma's own sqrt(hidden)
-        embedding scale is not applied unless the checkpoint sets it there)."""
-        return F.embedding(token_ids, target_embedding) * self.cfg.input_embedding_scale
+    def embed_block(
+        self, token_ids: Tensor, target_embedding: Callable[[Tensor], Tensor] | Tensor
+    ) -> Tensor:
+        """Block inputs [B, hidden] from the target's raw embedding table [V, hidden] (or its
+        lookup function): the reference scales by the drafter's input_embedding_scale only
+        (Gemma's own sqrt(hidden) embedding scale is not applied unless the checkpoint sets it
+        there)."""
+        if isinstance(target_embedding, Tensor):
+            rows = F.embedding(token_ids, target_embedding)
+        else:
+            rows = target_embedding(token_ids)
+        return rows * self.cfg.input_embedding_scale
 
     def project_context(self, target_hidden: Tensor) -> Tensor:
         """[T, n_ids * hidden] target hidden states -> [T, hidden] drafter context."""

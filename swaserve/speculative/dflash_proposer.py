@@ -57,11 +57,15 @@ class DFlashProposer:
         self.layout = layout
         self.page_size = page_size
         self.pool_layer_ids = [num_target_layers + i for i in range(self.cfg.num_layers)]
-        inner = target.model
-        self.embedding = inner.embed_tokens.weight
-        # The reference uses the target's raw head (no final softcap of the target's own).
-        self.head = self.embedding if target.tie_word_embeddings else target.lm_head.weight
-        self.dtype = next(drafter.parameters()).dtype
+        embed = target.model.embed_tokens
+        head = embed if target.tie_word_embeddings else target.lm_head
+        # The target's raw table and head (the reference applies no final softcap of the
+        # target's own); a weight packed for the CPU (swaserve/ops/cpu_pack.py) has no dense
+        # tensor: its lookup and GEMM are called instead.
+        self.embedding = embed.packed.rows if hasattr(embed, "packed") else embed.weight
+        self.head = head.packed.linear if hasattr(head, "packed") else head.weight
+        param = next(drafter.parameters())
+        self.dtype, self.device = param.dtype, param.device
 
     # ---- after a target forward -----------------------------------------------------------
 
@@ -123,7 +127,7 @@ class DFlashProposer:
     def _propose_chunk(
         self, requests: list[Request], ks: list[int], memory: MemoryManager, kv: KVPool
     ) -> Tensor:
-        cfg, dev = self.cfg, self.embedding.device
+        cfg, dev = self.cfg, self.device
         b, r = cfg.block_size, len(requests)
         starts = torch.tensor([q.num_computed_tokens for q in requests])
         tables = [memory.page_table(q.request_id) for q in requests]

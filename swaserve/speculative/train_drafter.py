@@ -32,6 +32,7 @@ from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.memory.groups import build_layout
 from swaserve.memory.kv_pool import KVPool
 from swaserve.models.blocks import head_dim_of, layer_windows
+from swaserve.ops.cpu_linear import dense_weight
 from swaserve.speculative.dflash_config import build_target_layer_ids, dflash_config_from_dict
 from swaserve.speculative.dflash_model import DFlashDrafter
 from swaserve.speculative.drafter_training import (
@@ -202,9 +203,9 @@ def run(args: Any) -> int:
     drafter.rotary_emb.restore_buffers(core.device)
     inner = core.model.model
     # float32 copies made outside inference mode: autograd reads them (frozen, no grad)
-    embedding = inner.embed_tokens.weight.detach().float().clone()
+    embedding = dense_weight(inner.embed_tokens).detach().float().clone()
     head = (embedding if core.model.tie_word_embeddings
-            else core.model.lm_head.weight.detach().float().clone())
+            else dense_weight(core.model.lm_head).detach().float().clone())
     data = [(torch.tensor(s, device=core.device), p,
              target_features(core, s, cfg.target_layer_ids).float().clone()) for s, p in seqs]
     del engine  # the generation KV pool is not needed any more

@@ -82,7 +82,9 @@ def folders(tmp_path_factory) -> dict:
 def pair(request, folders):
     """(name, TP=1 engine, TP=2 engine) on the same checkpoint; one pair alive at a time."""
     name = request.param
-    one = Engine(model=str(folders[name]), **ENGINE)
+    # Dense weights on both (the TP ranks never pack theirs for oneDNN, ops/cpu_pack.py): the
+    # tests compare their parameters.
+    one = Engine(model=str(folders[name]), disable_fused_ops=True, **ENGINE)
     two = Engine(model=str(folders[name]), tensor_parallel_size=2, **ENGINE)
     yield name, one, two
     two.core.shutdown()
@@ -260,7 +262,7 @@ def test_fp8_kv_scales_agree_over_the_ranks(pair, folders):
     those one process gets, and the same tokens."""
     _, one, _ = pair
     kw = {**ENGINE, "kv_cache_dtype": "fp8_e4m3"}
-    one8 = Engine(model=str(folders["llama"]), **kw)
+    one8 = Engine(model=str(folders["llama"]), disable_fused_ops=True, **kw)  # dense: as TP
     two8 = Engine(model=str(folders["llama"]), tensor_parallel_size=2, **kw)
     try:
         for a, b in (
@@ -323,7 +325,7 @@ def test_server_with_tp2_then_a_worker_dies(folders, tmp_path):
     try:
         srv.wait_ready(timeout=300)
         prompts = _prompts(129, [25, 9], seed=11)
-        want = Engine(model=folder, **ENGINE).generate(
+        want = Engine(model=folder, disable_fused_ops=True, **ENGINE).generate(  # dense: as TP
             prompt_token_ids=prompts,
             sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
         )

