@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 
 # Admission keeps free the pages running requests are expected to fill while decoding (SGLang's
 # "new token ratio"): a request that ignores EOS runs to its max_tokens, so all of its remaining
-# tokens are expected; any other is expected to produce `new_token_ratio` of them (at most
-# CLIP_MAX_NEW_TOKENS). The ratio decays step by step while nothing is preempted (requests
-# usually stop early) and rises again on a preemption. Without it, long prompts are admitted
+# tokens are expected; any other is expected to produce `new_token_ratio` of them; both count
+# at most CLIP_MAX_NEW_TOKENS (a request asking for the whole context does not hold the pool).
+# The ratio decays step by step while nothing is preempted (requests usually stop early) and
+# rises again on a preemption. Without it, long prompts are admitted
 # while the running requests' growth is still to come, then preempted and recomputed: on a
 # decode-heavy Gemma-3-27B run (48 x (7,936 + 1,024) in 20 GiB) 24 of 48 requests were.
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -234,8 +235,8 @@ class Scheduler:
         left = req.max_tokens - done
         if left <= 0:
             return 0
-        if req.params.ignore_eos:
-            return int(left * min(1.0, self.conservativeness))
+        if req.params.ignore_eos:  # clipped too: one long request must not hold the pool
+            return int(min(left, CLIP_MAX_NEW_TOKENS) * min(1.0, self.conservativeness))
         sure = min(left, max(0, req.params.min_tokens - done))
         rest = min(left - sure, CLIP_MAX_NEW_TOKENS)
         return sure + int(rest * min(1.0, self.new_token_ratio * self.conservativeness))

@@ -112,6 +112,7 @@ def test_decode_growth_estimate(folder):
         return Request("r", [5] * 10, SamplingParams(**kw), max_tokens=kw.get("max_tokens", 100))
 
     assert s.expected_new_tokens(req(max_tokens=100, ignore_eos=True)) == 100
+    assert s.expected_new_tokens(req(max_tokens=10**6, ignore_eos=True)) == sch.CLIP_MAX_NEW_TOKENS
     s.new_token_ratio = 0.5
     assert s.expected_new_tokens(req(max_tokens=100)) == 50
     assert s.expected_new_tokens(req(max_tokens=100, min_tokens=20)) == 20 + 40
