@@ -21,11 +21,15 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from swaserve import Engine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import _engine_arg  # noqa: E402  (KEY=VALUE -> an Engine keyword)
 
 VOCAB = 262_144  # Gemma 3
 
@@ -47,18 +51,6 @@ def proc_status_kb(field: str) -> int:
     except OSError:
         pass
     return 0
-
-
-def _engine_arg(text: str) -> tuple[str, Any]:
-    key, _, value = text.partition("=")
-    if value in ("True", "False"):
-        return key, value == "True"
-    for kind in (int, float):
-        try:
-            return key, kind(value)
-        except ValueError:
-            pass
-    return key, value
 
 
 def timed_runs(

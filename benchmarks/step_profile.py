@@ -52,6 +52,8 @@ def digest(reqs) -> str:
 
 def _engine_arg(text: str) -> tuple[str, object]:
     key, _, value = text.partition("=")
+    if value in ("True", "False"):
+        return key, value == "True"
     for kind in (int, float):
         try:
             return key, kind(value)
