@@ -56,6 +56,16 @@ _TASKS = [
     "Write a haiku and then a limerick about {t}.",
     "Compare {t} with something similar and explain the differences.",
     "Answer as a teacher: why does {t} matter?",
+    "What are common misconceptions about {t}?",
+    "Write a short dialogue between two friends discussing {t}.",
+    "Describe {t} in three sentences.",
+    "Write a blog post introduction about {t}.",
+    "What questions would an expert ask about {t}? Answer two of them.",
+    "Create a quiz with three multiple-choice questions about {t}.",
+    "Explain how {t} works, using an analogy.",
+    "Write a product description for something inspired by {t}.",
+    "What would the world be like without {t}?",
+    "Give a beginner's glossary of five terms related to {t}.",
 ]
 _TOPICS = [
     "photosynthesis", "the Roman empire", "black holes", "sourdough bread", "chess openings",
@@ -64,6 +74,15 @@ _TOPICS = [
     "the moon landing", "recycling", "the stock market", "origami", "electric cars",
     "the printing press", "sleep", "rainforests", "the Olympic games", "sorting algorithms",
     "gardening", "the human heart", "earthquakes", "public libraries",
+    "machine learning", "the solar system", "ancient Egypt", "chocolate", "the internet",
+    "dinosaurs", "renewable energy", "meditation", "the Renaissance", "quantum computing",
+    "football", "tea ceremonies", "ocean tides", "vaccines", "the piano", "time zones",
+    "hiking", "the human brain", "cryptography", "coral reefs", "democracy", "baking cakes",
+    "the Great Wall of China", "photography", "bees and pollination", "3D printing",
+    "mountains", "the Silk Road", "robots", "friendship", "budgeting", "the blockchain",
+    "wolves", "volunteering", "airplanes", "spices", "the periodic table", "marathons",
+    "the Amazon river", "video games", "glaciers", "Shakespeare", "public speaking",
+    "the theory of evolution", "trains", "mushrooms",
 ]
 
 
@@ -216,25 +235,46 @@ def run(args: Any) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, losses = [], []
     bar = tqdm(range(args.steps), desc="train-drafter", unit="step")
+    every = max(1, args.steps // 10)
+    t_train = time.monotonic()
     for step in bar:
+        if args.max_train_seconds and time.monotonic() - t_train > args.max_train_seconds:
+            print(f"train-drafter: stopped at step {step} of {args.steps}: "
+                  f"--max-train-seconds {args.max_train_seconds:g} reached", flush=True)
+            break
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, args.steps, args.lr, args.warmup_steps)
-        tokens, lo, feats = data[int(torch.randint(len(data), (1,), generator=gen))]
-        anchors = sample_anchors(lo - 1, tokens.shape[0], cfg.block_size, args.anchors, gen)
-        if not anchors:
-            continue
-        blocks = build_blocks(tokens, anchors, cfg.block_size, cfg.mask_token_id,
-                              args.loss_decay)
-        res = dflash_loss(drafter, feats, tokens, blocks, embedding, head)
         opt.zero_grad(set_to_none=True)
-        res.loss.backward()
+        results = []
+        # several sequences per step: their losses are averaged (one backward each, so that
+        # only one sequence's activations are alive at a time)
+        for _ in range(args.batch_sequences):
+            tokens, lo, feats = data[int(torch.randint(len(data), (1,), generator=gen))]
+            anchors = sample_anchors(lo - 1, tokens.shape[0], cfg.block_size, args.anchors, gen)
+            if not anchors:
+                continue
+            blocks = build_blocks(tokens, anchors, cfg.block_size, cfg.mask_token_id,
+                                  args.loss_decay)
+            res = dflash_loss(drafter, feats, tokens, blocks, embedding, head)
+            (res.loss / args.batch_sequences).backward()
+            results.append(res)
+        if not results:
+            continue
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
-        loss = float(res.loss.detach())
+        n = len(results)
+        loss = sum(float(r.loss.detach()) for r in results) / n
+        acc = sum(r.accuracy for r in results) / n
+        accept = sum(r.accept_length for r in results) / n
         losses.append(loss)
-        rows.append((step, loss, res.accuracy, res.accept_length))
-        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{res.accuracy:.2f}",
-                        accept=f"{res.accept_length:.2f}")
+        rows.append((step, loss, acc, accept))
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", accept=f"{accept:.2f}")
+        if (step + 1) % every == 0:  # a plain line too, for logs that keep no progress bar
+            recent = rows[-every:]
+            print(f"train-drafter: step {step + 1}/{args.steps} loss "
+                  f"{sum(r[1] for r in recent) / len(recent):.3f} accuracy "
+                  f"{sum(r[2] for r in recent) / len(recent):.3f} accept-length proxy "
+                  f"{sum(r[3] for r in recent) / len(recent):.2f}", flush=True)
     with open(out / "loss.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "loss", "accuracy", "accept_length_proxy"])
@@ -256,6 +296,8 @@ def add_args(p: Any) -> None:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
+    p.add_argument("--batch-sequences", type=int, default=4,
+                   help="sequences per optimiser step (their losses averaged)")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers")
     p.add_argument("--intermediate-size", type=int, default=None,
@@ -264,6 +306,8 @@ def add_args(p: Any) -> None:
                    help="target layers whose outputs feed the drafter (default: 3, spread)")
     p.add_argument("--loss-decay", type=float, default=4.0,
                    help="row i weighs exp(-(i-1)/decay); 0: equal weights")
+    p.add_argument("--max-train-seconds", type=float, default=0,
+                   help="stop the optimisation after this long and save (0: no limit)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="the target's dtype")
     p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16",
