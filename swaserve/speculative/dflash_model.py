@@ -42,7 +42,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from swaserve.models.blocks import GatedMLP, RMSNorm, Rotary, rope_inv_freq
 from swaserve.speculative.dflash_config import DFlashConfig, load_dflash_config
 
-
 # SDPA backends for the drafter's masked attention. Not cuDNN: PyTorch picks it on H100/H200
 # for these boolean-masked shapes and it builds a new plan for every new context width,
 # ~100 ms of host time per call (measured: 42 ms per token at batch 1, against 1.1 without
