@@ -70,9 +70,11 @@ class EngineConfig:
     nnodes: int = 1  # machines the ranks span (tensor_parallel_size / nnodes ranks on each)
     node_rank: int = 0  # this machine's index; node 0 runs the engine, the others only workers
     dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: a free local port
-    # Data parallelism (server only, dense models): D engine-core replicas behind one frontend.
+    # Data parallelism: D engine cores behind one frontend (server), or with expert parallelism
+    # also offline.
     data_parallel_size: int = 1
-    enable_expert_parallel: bool = False  # MoE experts split over the DP ranks: not yet
+    # MoE models: the experts split over the D ranks, attention data-parallel (one engine each)
+    enable_expert_parallel: bool = False
     # Prefill/decode disaggregation (docs/architecture.md §9.3, swaserve/disaggregation/):
     # `serve` only; a PD pair is two instances behind `swaserve router`.
     disaggregation_mode: str | None = None  # prefill | decode
@@ -160,12 +162,15 @@ class EngineConfig:
                 raise bad(name, f"is not supported with --tensor-parallel-size {tp} yet")
 
     def _check_data_parallel(self, bad) -> None:
-        """--data-parallel-size D: D full replicas (replica i on cuda:i); not with TP yet."""
+        """--data-parallel-size D: D full replicas (replica i on cuda:i), or with
+        --enable-expert-parallel D ranks sharing the MoE experts; not with TP yet. Whether the
+        model has experts, and whether D divides them, is checked once it is known
+        (distributed/expert_shards.check_expert_parallel)."""
         dp = self.data_parallel_size
         if dp < 1:
             raise bad("data_parallel_size", "must be >= 1")
         if self.enable_expert_parallel:
-            raise bad("enable_expert_parallel", "is not supported yet")
+            self._check_expert_parallel(bad)
         if dp == 1:
             return
         if self.tensor_parallel_size > 1:
@@ -180,6 +185,19 @@ class EngineConfig:
                 f"with --device {self.device}: replica i uses cuda:i; give --device cuda "
                 "(CUDA_VISIBLE_DEVICES picks the GPUs)",
             )
+
+    def _check_expert_parallel(self, bad) -> None:
+        dp = self.data_parallel_size
+        if dp < 2:
+            raise bad("enable_expert_parallel", "needs --data-parallel-size >= 2 (the ranks the "
+                      "experts are spread over)")
+        unsupported = [
+            ("speculative_algorithm", self.speculative_algorithm is not None),
+            ("nnodes", self.nnodes > 1),
+        ]
+        for name, on in unsupported:
+            if on:
+                raise bad(name, "is not supported with --enable-expert-parallel yet")
 
     def _check_disaggregation(self, bad) -> None:
         """A PD instance: what does not run inside a pair yet is refused before loading."""
@@ -418,12 +436,14 @@ FLAGS: dict[str, FlagInfo] = {
     ),
     "data_parallel_size": FlagInfo(
         "distributed",
-        "serve: engine-core replicas behind one HTTP server, each with its own scheduler and "
-        "KV pool (replica i on cuda:i); requests go by prefix affinity and load",
+        "engine-core replicas behind one HTTP server (offline too with "
+        "--enable-expert-parallel), each with its own scheduler and KV pool (replica i on "
+        "cuda:i); requests go by prefix affinity and load",
         alias="-dp",
     ),
     "enable_expert_parallel": FlagInfo(
-        "distributed", "split MoE experts over the data-parallel ranks (not supported yet)"
+        "distributed", "MoE models: spread every layer's experts over the --data-parallel-size "
+        "ranks (attention stays data-parallel, tokens reach the experts by collectives)"
     ),
     # disaggregation
     "disaggregation_mode": FlagInfo(

@@ -1,4 +1,4 @@
-"""Scale-out (docs/architecture.md, scale-out): tensor parallelism.
+"""Scale-out (docs/architecture.md, scale-out): tensor parallelism, expert parallelism.
 
     parallel_state.py  the process groups of this process and their collectives (one home)
     sharding.py        which part of a full tensor a rank holds; checkpoint tensors into it
@@ -9,5 +9,16 @@
     launch.py          starting the workers from rank 0, watching them, stopping them
     nccl_guard.py      NCCL_GRAPH_REGISTER when a captured CUDA graph may hold a collective
 
-With `tensor_parallel_size` 1 none of this is imported: a single process runs as before.
+Data-parallel attention + expert-parallel MoE (`--data-parallel-size D --enable-expert-parallel`):
+
+    expert_shards.py    which experts a rank holds; the model cut to them at build time
+    expert_parallel.py  the step agreement, the MoE exchange (dispatch/combine), idle forwards
+    ep_launch.py        joining the group (server cores, offline ranks), naming a dead rank
+    ep_wire.py          offline: rank 0's messages to the other ranks and their answers
+    ep_worker.py        offline: ranks 1..D-1, each a whole EngineCore stepping on rank 0's word
+    ep_engine.py        offline: the Engine's core over the D ranks (rank 0 in-process)
+    (the server's lockstep core loop is swaserve/server/core_loop_ep.py)
+
+With `tensor_parallel_size` 1 and no expert parallelism none of this is imported: a single
+process runs as before.
 """

@@ -46,7 +46,7 @@ STOP_TIMEOUT_S = 5.0
 
 
 class RankFailure(RuntimeError):
-    """A tensor-parallel rank died or failed; the engine cannot continue."""
+    """A tensor- or data-parallel rank died or failed; the engine cannot continue."""
 
 
 def ready_key(rank: int) -> str:
@@ -106,15 +106,23 @@ def _spawn(
 class TensorParallel:
     """Rank 0's handle on the ranks: the group, this node's worker processes, their watch."""
 
-    def __init__(self, tp: TPGroup, procs: dict[int, Any], store: Any, threads: int) -> None:
+    def __init__(
+        self,
+        tp: TPGroup,
+        procs: dict[int, Any],
+        store: Any,
+        threads: int,
+        role: str = "tensor-parallel",
+    ) -> None:
         self.tp = tp
+        self.role = role  # how errors name the ranks ("data-parallel" for expert parallelism)
         self.procs = procs
         self.store = store  # rank 0 hosts it: kept alive as long as the ranks are
         self.failure: str | None = None
         self._stopping = _Stopping(threads=threads)
         threading.Thread(
             target=_watchdog,
-            args=(tp, procs, self._stopping),
+            args=(tp, procs, self._stopping, role),
             daemon=True,
             name="swaserve-tp-watch",
         ).start()
@@ -126,7 +134,7 @@ class TensorParallel:
         if self.failure is None:
             for rank, p in self.procs.items():
                 if not p.is_alive():
-                    self.failure = f"tensor-parallel rank {rank} (pid {p.pid}) " + _exit_reason(
+                    self.failure = f"{self.role} rank {rank} (pid {p.pid}) " + _exit_reason(
                         p.exitcode
                     )
                     break
@@ -178,7 +186,9 @@ class _Stopping:
         return self.event.is_set()
 
 
-def _watchdog(tp: TPGroup, procs: dict[int, Any], stopping: _Stopping) -> None:
+def _watchdog(
+    tp: TPGroup, procs: dict[int, Any], stopping: _Stopping, role: str = "tensor-parallel"
+) -> None:
     """Logs a worker's death as it happens; on CUDA aborts the groups, so that an NCCL
     collective waiting for the dead rank fails now instead of at its timeout."""
     sentinels = {p.sentinel: rank for rank, p in procs.items()}
@@ -189,7 +199,7 @@ def _watchdog(tp: TPGroup, procs: dict[int, Any], stopping: _Stopping) -> None:
                 return
             p = procs[rank]
             p.join(0.1)
-            log.error("tensor-parallel rank %d (pid %d) %s", rank, p.pid, _exit_reason(p.exitcode))
+            log.error("%s rank %d (pid %d) %s", role, rank, p.pid, _exit_reason(p.exitcode))
             if tp.device.type == "cuda":
                 tp.abort()
 
@@ -214,7 +224,9 @@ def _stop(tp: TPGroup, procs: dict[int, Any], stopping: _Stopping) -> None:
         torch.set_num_threads(stopping.threads)
 
 
-def _wait_ready(store: Any, ranks: range, procs: dict[int, Any]) -> None:
+def _wait_ready(
+    store: Any, ranks: range, procs: dict[int, Any], role: str = "tensor-parallel"
+) -> None:
     """Until every rank in `ranks` has reached the store; RankFailure if a local one dies."""
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
     keys = [ready_key(r) for r in ranks]
@@ -223,12 +235,12 @@ def _wait_ready(store: Any, ranks: range, procs: dict[int, Any]) -> None:
         for rank, p in procs.items():
             if not p.is_alive():
                 raise RankFailure(
-                    f"tensor-parallel rank {rank} (pid {p.pid}) {_exit_reason(p.exitcode)} "
+                    f"{role} rank {rank} (pid {p.pid}) {_exit_reason(p.exitcode)} "
                     "while starting; see its log above"
                 )
         if time.monotonic() > deadline:
             raise RankFailure(
-                f"tensor-parallel ranks did not all reach {store.host}:{store.port} within "
+                f"{role} ranks did not all reach {store.host}:{store.port} within "
                 f"{RENDEZVOUS_TIMEOUT.total_seconds():.0f} s (--dist-init-addr, --nnodes)"
             )
 

@@ -1,5 +1,7 @@
 """The process groups of this process and their collectives: the one place that creates a
-group (layers, the step wire and the workers are handed a `TPGroup`).
+group (layers, the step wire and the workers are handed a `TPGroup`; the data-parallel ranks of
+DP attention + expert parallelism an `EPGroup`, the same two groups over the D ranks plus the
+collectives of the MoE exchange).
 
 Tensor parallelism over T ranks makes two groups, both from one TCPStore that rank 0 hosts at
 the rendezvous address:
@@ -144,3 +146,31 @@ class TPGroup:
                     group.abort()
                 except Exception:  # noqa: BLE001 - best effort, the engine stops anyway
                     pass
+
+
+@dataclass
+class EPGroup(TPGroup):
+    """The D data-parallel ranks whose MoE layers share their experts (expert_parallel.py):
+    device_group carries the MoE exchange, cpu_group each step's agreement (and, offline, rank
+    0's messages). Every call is collective, as TPGroup's."""
+
+    def all_gather(self, x: torch.Tensor, on_cpu: bool = False) -> list[torch.Tensor]:
+        """Every rank's x (same shape and dtype on every rank), in rank order."""
+        outs = [torch.empty_like(x) for _ in range(self.size)]
+        group = self.cpu_group if on_cpu else self.device_group
+        group.allgather([outs], [x.contiguous()]).wait()
+        return outs
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """x [size * n, ...] summed over the ranks; this rank gets rows [rank * n, (rank+1) * n)."""
+        out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self.device_group._reduce_scatter_base(out, x.contiguous()).wait()
+        return out
+
+    def gather_cpu(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's host tensor x (same shape) to rank 0 over the gloo group; None elsewhere."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        outs = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        self.cpu_group.gather([outs] if outs is not None else [], [x], opts).wait()
+        return outs

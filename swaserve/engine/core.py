@@ -41,6 +41,7 @@ from swaserve.speculative.metrics import SpecStats
 from swaserve.weights.loader import build_model, load_hf_config
 
 if TYPE_CHECKING:
+    from swaserve.distributed.expert_parallel import ExpertParallel
     from swaserve.distributed.parallel_state import TPGroup
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,19 @@ def eos_token_ids(folder: Path, hf_config: Any) -> frozenset[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, folder: Path, server: bool = False) -> None:
-        """`server`: the OpenAI server's core (its device defaults favour latency)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        folder: Path,
+        server: bool = False,
+        ep: ExpertParallel | None = None,
+    ) -> None:
+        """`server`: the OpenAI server's core (its device defaults favour latency). `ep`: this
+        core is one data-parallel rank of an expert-parallel group (already joined; `config`
+        is the rank's own, data_parallel_size 1): it holds its share of the experts and steps
+        in lockstep with the other ranks (swaserve/distributed/expert_parallel.py)."""
         self.parallel = None  # TensorParallel (swaserve/distributed/launch.py) when T > 1
+        self.ep = ep
         # A PD prefill instance's side (swaserve/disaggregation/prefill_side.py): `_finish`
         # lets it hold a computed sample's pages until they are sent.
         self.disagg: Any = None
@@ -119,14 +130,19 @@ class EngineCore:
         # swaserve/distributed/worker.py mirrors every collective of the start-up below (memory
         # profile, page count, FP8 calibration), in this order.
         tp = self._start_parallel(folder)
+        ep = self.ep
         self.model = build_model(
-            hf, folder, self.dtype, self.device, config.load_format == "dummy", config.seed, tp
+            hf, folder, self.dtype, self.device, config.load_format == "dummy", config.seed, tp,
+            ep=None if ep is None else (ep.rank, ep.size),
         )
+        if ep is not None:
+            ep.attach(self.model)
         if self.device.type == "cuda" and not config.disable_fused_ops:
             from swaserve.ops import enable_fused_ops
 
             enable_fused_ops(self.model)  # before profiling, calibration and graph capture
-        elif self.device.type == "cpu" and not config.disable_fused_ops and tp is None:
+        elif (self.device.type == "cpu" and not config.disable_fused_ops and tp is None
+              and ep is None):
             from swaserve.ops.cpu_pack import pack_cpu_weights
 
             # float32 GEMMs through oneDNN on weights packed in place of the dense ones; before
@@ -195,6 +211,10 @@ class EngineCore:
             if self.parallel is not None:
                 log.warning("no CUDA graphs with --tensor-parallel-size > 1 yet (the workers do "
                             "not replay graphs in step with rank 0): running eager")
+            elif self.ep is not None:
+                log.warning("no CUDA graphs with --enable-expert-parallel yet (the MoE exchange "
+                            "is sized by every rank's tokens each step, and idle ranks run "
+                            "MoE-only forwards): running eager")
             else:
                 self._capture_graphs(backend)
         self.requests: dict[str, Request] = {}
@@ -352,7 +372,8 @@ class EngineCore:
         eager launches, ~25 ms, hide behind ~30+ ms of GEMMs), and each bucket costs ~1 s of
         capture at start."""
         c = self.config
-        if self.device.type != "cuda" or c.cuda_graph_max_bs == 0 or c.tensor_parallel_size > 1:
+        if (self.device.type != "cuda" or c.cuda_graph_max_bs == 0 or c.tensor_parallel_size > 1
+                or self.ep is not None):
             return 0
         if c.piecewise_cuda_graph_max_tokens is not None:
             return min(c.max_num_batched_tokens, c.piecewise_cuda_graph_max_tokens)
@@ -425,6 +446,8 @@ class EngineCore:
     # in-flight step is read back before scheduling (no overlap for those steps).
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step. Under expert parallelism every rank calls it the same number of times
+        (with nothing to do too): each call makes the step's agreement (`_agree`)."""
         outputs: list[EngineCoreOutput] = []
         if self._inflight is not None and self._num_history_requests:
             outputs += self._resolve()
@@ -434,7 +457,9 @@ class EngineCore:
         if self.cache is not None:
             self.cache.move_pages()  # host loads/stores, then copy-on-write: before any forward
         outputs += [self._aborted(r) for r in batch.rejected]
-        launched = self._launch(batch) if batch else None
+        launched = self._launch(batch) if self._agree(batch) else None
+        if self.ep is not None:
+            self.ep.end_step()
         outputs += self._resolve()
         self._inflight = launched
         if launched is not None and not self.overlap:
@@ -442,6 +467,16 @@ class EngineCore:
         if batch:
             self.scheduler.retire()
         return outputs
+
+    def _agree(self, batch: ScheduledBatch) -> bool:
+        """Whether this step runs this rank's batch. Under expert parallelism every rank first
+        agrees on the step (one collective), and a rank without a batch runs an idle forward
+        when another rank has one, so that every MoE layer's exchange has all ranks."""
+        if self.ep is None:
+            return bool(batch)
+        if self.ep.agree_step(sum(batch.num_new_tokens)) and not batch:
+            self.ep.idle_forward()
+        return bool(batch)
 
     def _launch(self, batch: ScheduledBatch) -> _Launched:
         """Enqueue forward + sampling of one batch; nothing here waits for the device."""

@@ -60,7 +60,12 @@ class Engine:
                 f"{self.config.model} has no weights (no *.safetensors in {self.folder}); "
                 "for random weights in its shapes use --load-format dummy"
             )
-        self.core = EngineCore(self.config, self.folder)
+        if self.config.enable_expert_parallel:  # D engine cores, one per process, in lockstep
+            from swaserve.distributed.ep_engine import DPExpertCore
+
+            self.core: Any = DPExpertCore(self.config, self.folder)
+        else:
+            self.core = EngineCore(self.config, self.folder)
         self.tokenizer = load_tokenizer(self.folder, self.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -95,6 +95,10 @@ class SparseMoE(nn.Module):
     # Tensor parallelism (swaserve/distributed/layers.py): every expert's slice of the
     # intermediate dim; the partial outputs are summed by one all-reduce, b2 added by rank 0.
     tp = None
+    # Expert parallelism (swaserve/distributed/expert_parallel.py): this rank holds experts
+    # [lo, hi) (`expert_range`), whole; `ep` runs the exchange with the other ranks.
+    ep = None
+    expert_range: tuple[int, int] | None = None
 
     def __init__(
         self,
@@ -119,20 +123,32 @@ class SparseMoE(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(num_experts, hidden)) if expert_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.router(x), self.top_k, self.scoring, self.renormalize)
+        if self.ep is not None:  # experts spread over the data-parallel ranks
+            return self.ep.moe_forward(self, x)
+        weights, ids = self.route(x)
         b2 = self.b2 if self.tp is None or self.tp.rank == 0 else None
+        out = self.run_experts(x, weights, ids, b2)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) [T, k] of tokens x [T, H] by the model's rule."""
+        return select_experts(self.router(x), self.top_k, self.scoring, self.renormalize)
+
+    def run_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, b2: torch.Tensor | None
+    ) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) over the experts this module holds
+        (ids index them: local ids under expert parallelism)."""
         if self.fused:
             from swaserve.ops.fused_moe import fused_moe
 
-            out = fused_moe(
+            return fused_moe(
                 x, self.w13, self.w2, weights, ids, b13=self.b13, b2=b2,
                 activation=self.activation, limit=self.limit,
             )  # fmt: skip
-        else:
-            out = moe_torch(
-                x, self.w13, self.b13, self.w2, b2, weights, ids, self.activation, self.limit
-            )
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return moe_torch(
+            x, self.w13, self.b13, self.w2, b2, weights, ids, self.activation, self.limit
+        )
 
 
 # A checkpoint tensor's place in the model: (parameter name, index into it or None, tensor).

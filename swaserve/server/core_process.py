@@ -14,6 +14,9 @@ at least once a second), and, after sending `dead` with the traceback, on any er
 step or on a tensor-parallel rank found dead (checked at least once a second while idle; the
 frontend then answers 503 and exits). A ValueError while the core starts (a flag the
 model or the KV pool cannot take) is sent as its one-line message, not a traceback.
+
+With expert parallelism (`--data-parallel-size D --enable-expert-parallel`) the core is one of
+D ranks that step in lockstep: core_loop_ep.py's loop replaces this one.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class CoreLoop:
     def send(self, msg: list) -> None:
         self.out.send(encode(msg))
 
-    def run(self) -> None:
+    def send_ready(self) -> None:
         core = self.core
         self.send(
             [
@@ -117,6 +120,10 @@ class CoreLoop:
                 },
             ]
         )
+
+    def run(self) -> None:
+        core = self.core
+        self.send_ready()
         while self.running:
             busy = core.has_unfinished()
             changed = self.read_inputs(0 if busy else IDLE_POLL_MS)
@@ -196,13 +203,20 @@ def main(argv: list[str] | None = None) -> int:
             from swaserve.distributed.parallel_state import share_cpu_cores
 
             share_cpu_cores(spec["cpu_share"])  # data-parallel replicas share the cores
+        ep = None
+        if spec.get("expert_parallel"):  # one data-parallel rank of an expert-parallel group
+            from swaserve.server.core_loop_ep import join_group
+
+            ep = join_group(config, spec["expert_parallel"])
         try:
-            core = EngineCore(config, Path(spec["folder"]), server=True)
+            core = EngineCore(config, Path(spec["folder"]), server=True, ep=ep)
         except ValueError as e:  # a flag the model or the pool cannot take: one line
             log.error("engine core failed: %s", e)
             _last_words(None, ctx, spec["out_addr"], str(e))
             return 1
         loop_class = CoreLoop
+        if ep is not None:  # steps in lockstep with the other ranks
+            from swaserve.server.core_loop_ep import EPCoreLoop as loop_class
         if config.disaggregation_mode:  # a PD instance: its side of the pair beside the engine
             from swaserve.disaggregation.core_loop import DisaggCoreLoop as loop_class
         loop = loop_class(core, spec["in_addr"], spec["out_addr"])

@@ -5,11 +5,13 @@ model folder (GGUF conversion happens here, once), bind the IPC sockets, start t
 (`python -m swaserve.server.core_process`), wait for its `ready`, then listen on the bound
 socket (uvicorn) and only then log "serving on ...".
 
-Data parallelism (`--data-parallel-size D` > 1, dense models): D core processes, replica i
+Data parallelism (`--data-parallel-size D` > 1): D core processes, replica i
 on cuda:i (on CPU all share the cores), each with its own IPC sockets and CoreClient, behind
 one `DPClient` (routing: prefix affinity, then load) and one HTTP server; /metrics labels
 every series with `dp_rank`. One replica's core dying is the server's end, as with one core:
 every live request (on any replica) ends with an error naming the rank, and the server exits.
+With `--enable-expert-parallel` (MoE models) the D cores also form one torch.distributed group
+whose rendezvous store this process hosts; they step in lockstep (server/core_loop_ep.py).
 
 Watchdog: when the core process exits or reports a fatal error, every live request ends with
 an error, new requests get 503, the reason is logged, and the server exits with status 1
@@ -78,11 +80,14 @@ def _exit_reason(code: int) -> str:
 
 
 def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config of data-parallel replica `rank`: one replica; on CUDA, on cuda:rank."""
+    """The config of data-parallel replica `rank`: one replica; on CUDA, on cuda:rank. With
+    expert parallelism the rank's place in the group travels beside it (the core's spec)."""
     if config.data_parallel_size == 1:
         return config
     device = f"cuda:{rank}" if config.torch_device().type == "cuda" else config.device
-    return dataclasses.replace(config, data_parallel_size=1, device=device)
+    return dataclasses.replace(
+        config, data_parallel_size=1, enable_expert_parallel=False, device=device
+    )
 
 
 def start_core(
@@ -92,8 +97,10 @@ def start_core(
     out_addr: str,
     log_level: str,
     cpu_share: int = 1,
+    expert_parallel: dict | None = None,
 ) -> subprocess.Popen:
-    """`cpu_share`: processes sharing this machine's cores (on CPU each gets cores / that)."""
+    """`cpu_share`: processes sharing this machine's cores (on CPU each gets cores / that);
+    `expert_parallel`: the core's place in the group ({"rank", "size", "host", "port"})."""
     spec = {
         "config": dataclasses.asdict(config),
         "folder": str(folder),
@@ -101,6 +108,7 @@ def start_core(
         "out_addr": out_addr,
         "log_level": log_level,
         "cpu_share": cpu_share,
+        "expert_parallel": expert_parallel,
     }
     cmd = [sys.executable, "-m", "swaserve.server.core_process", "--spec", json.dumps(spec)]
     return subprocess.Popen(cmd)
@@ -142,6 +150,11 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
         from swaserve.engine.engine import load_tokenizer, resolve_folder
 
         folder = resolve_folder(config.model)
+        if config.enable_expert_parallel:  # a dense model, or experts that do not split
+            from swaserve.distributed.expert_shards import check_expert_parallel
+            from swaserve.weights.loader import load_hf_config
+
+            check_expert_parallel(load_hf_config(folder), config.data_parallel_size)
         tokenizer = load_tokenizer(folder, config.tokenizer)
         chat_template = read_chat_template(config.chat_template)
         tmp = tempfile.mkdtemp(prefix="swaserve-ipc-")
@@ -204,10 +217,15 @@ async def _main(
     ]
     client: Any = clients[0] if dp == 1 else DPClient(clients)
     client.start()
+    store = _expert_parallel_store(config)  # hosted here while the cores live
     try:
         for rank, (a_in, a_out) in enumerate(addrs):
             rconf = replica_config(config, rank)
-            proc = start_core(rconf, folder, a_in, a_out, args.log_level, cpu_share=dp)
+            ep = None if store is None else {
+                "rank": rank, "size": dp, "host": store.host, "port": store.port,
+            }  # fmt: skip
+            proc = start_core(rconf, folder, a_in, a_out, args.log_level, cpu_share=dp,
+                              expert_parallel=ep)
             procs.append(proc)
             where = "" if dp == 1 else f" (dp rank {rank}, {rconf.device})"
             log.info("engine core process %d is loading %s%s", proc.pid, config.model, where)
@@ -263,6 +281,20 @@ async def _main(
         return 1 if client.dead is not None else 0
     finally:
         client.close()
+
+
+def _expert_parallel_store(config: EngineConfig) -> Any:
+    """With --enable-expert-parallel: the rendezvous store of the D core processes, hosted by
+    the frontend (--dist-init-addr, else a free local port); None otherwise."""
+    if not config.enable_expert_parallel:
+        return None
+    from swaserve.distributed.parallel_state import open_store
+
+    host, port = "127.0.0.1", 0
+    if config.dist_init_addr:
+        host, _, p = config.dist_init_addr.rpartition(":")
+        host, port = host.strip("[]"), int(p)
+    return open_store(host, port, config.data_parallel_size, is_master=True)
 
 
 def _server_class() -> type:
@@ -322,12 +354,19 @@ async def _wait_ready(client: Any, proc: subprocess.Popen) -> bool:
 
 
 def _first_gone(procs: list[subprocess.Popen], clients: list[Any]) -> tuple[int, str] | None:
-    """(rank, why) of the first core process that exited or reported a fatal error."""
+    """(rank, why) of the first core process that exited or reported a fatal error; one that
+    exited without last words (killed) first: under expert parallelism the others' errors
+    follow from it."""
+    gone = []
     for rank, (proc, c) in enumerate(zip(procs, clients)):
         code = proc.poll()
         if code is not None or c.dead is not None:
-            return rank, c.dead or f"engine core process {proc.pid} {_exit_reason(code)}"
-    return None
+            gone.append((c.dead is not None, rank, c.dead or
+                         f"engine core process {proc.pid} {_exit_reason(code)}"))
+    if not gone:
+        return None
+    _, rank, why = min(gone)
+    return rank, why
 
 
 async def _watchdog(

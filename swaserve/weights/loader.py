@@ -13,7 +13,8 @@ With tensor parallelism (`tp`), the model is made rank tp.rank's shard on the me
 full parameter's coordinates, is cut to the rank's part as it is copied (`Shard.copy_into`):
 no rank holds more than its shard, one checkpoint tensor aside. Dummy weights draw the full
 tensor of every sharded parameter with the seed a single process uses, then keep the rank's part,
-so every TP size runs the same model.
+so every TP size runs the same model. Expert parallelism (`ep`) cuts the experts' dim 0 the
+same way (`swaserve.distributed.expert_shards`).
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ def build_model(
     dummy: bool,
     seed: int,
     tp: TPGroup | None = None,
+    ep: tuple[int, int] | None = None,
 ) -> nn.Module:
-    """The model of `hf_config` with its weights; with `tp` (size > 1) rank tp.rank's shard."""
+    """The model of `hf_config` with its weights; with `tp` (size > 1) rank tp.rank's shard;
+    with `ep` (rank, size) that data-parallel rank's experts (expert parallelism)."""
     cls = model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config)
@@ -71,6 +74,10 @@ def build_model(
         from swaserve.distributed.layers import shard_model
 
         shards = shard_model(model, tp)
+    if ep is not None:
+        from swaserve.distributed.expert_shards import shard_experts
+
+        shards = shard_experts(model, *ep)
     # Cast on meta first: the device never holds a float32 copy of the weights.
     model = model.to(dtype).to_empty(device=device)
     params = dict(model.named_parameters())

@@ -126,8 +126,10 @@ def test_flag_checks():
     EngineConfig(model="x", data_parallel_size=2)
     with pytest.raises(ValueError, match="--data-parallel-size.*--tensor-parallel-size"):
         EngineConfig(model="x", data_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="--enable-expert-parallel.*not supported yet"):
+    with pytest.raises(ValueError, match="--enable-expert-parallel.*--data-parallel-size >= 2"):
         EngineConfig(model="x", enable_expert_parallel=True)
+    EngineConfig(model="x", data_parallel_size=2, enable_expert_parallel=True)  # MoE: checked
+    # with the model (tests/unit/test_expert_parallel.py)
     with pytest.raises(ValueError, match="--data-parallel-size"):
         EngineConfig(model="x", data_parallel_size=0)
 

@@ -1,0 +1,105 @@
+"""Offline expert parallelism: ranks 1..D-1, each its own process (spawned by ep_launch.py) with
+a whole EngineCore of its own (scheduler, KV pool, prefix cache, its experts), stepping when
+rank 0 says so (ep_wire.py) until STOP or until rank 0 is gone (the next wait fails).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from swaserve.config import EngineConfig
+from swaserve.distributed.ep_wire import CHECK, STATS, STEP, STOP, EPWire
+
+log = logging.getLogger("swaserve.ep_worker")
+
+
+def spawn_workers(config: EngineConfig, folder: Path, host: str, port: int) -> dict[int, Any]:
+    """Start ranks 1..D-1 as daemon processes (spawn: a script that builds an Engine keeps its
+    top level under `if __name__ == "__main__":`); their start-up message is JSON."""
+    spec = json.dumps({
+        "config": dataclasses.asdict(config), "folder": str(folder), "host": host, "port": port,
+        "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+    })  # fmt: skip
+    ctx = mp.get_context("spawn")
+    procs = {}
+    for rank in range(1, config.data_parallel_size):
+        p = ctx.Process(
+            target=worker_main, args=(rank, spec), daemon=True, name=f"swaserve-dp-rank{rank}"
+        )
+        p.start()
+        procs[rank] = p
+    return procs
+
+
+def worker_main(rank: int, spec_json: str) -> None:
+    """Process entry of data-parallel rank `rank` (offline, expert parallelism)."""
+    from swaserve.distributed.ep_launch import join_expert_parallel, rank_device
+    from swaserve.distributed.parallel_state import share_cpu_cores
+    from swaserve.engine.core import EngineCore
+    from swaserve.server.launch import replica_config
+
+    spec = json.loads(spec_json)
+    logging.basicConfig(
+        level=spec.get("log_level", "INFO"),
+        format=f"%(asctime)s %(levelname)s [dp{rank}] %(name)s: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the ranks stop
+    config = EngineConfig(**spec["config"])
+    size = config.data_parallel_size
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    else:
+        share_cpu_cores(size)
+    ep = join_expert_parallel(size, rank, spec["host"], spec["port"], device)
+    try:
+        core = EngineCore(replica_config(config, rank), Path(spec["folder"]), ep=ep)
+        serve_steps(core, EPWire(ep.group), rank)
+    except RuntimeError as e:
+        if "Connection closed by peer" in str(e) or "rank 0" in str(e):  # rank 0 vanished
+            log.info("rank 0 is gone; data-parallel rank %d exits", rank)
+            sys.exit(0)
+        raise
+    finally:
+        ep.group.shutdown()
+
+
+def serve_steps(core: Any, wire: EPWire, rank: int) -> None:
+    """Answer rank 0's messages (ep_wire.py) until STOP."""
+    from swaserve.sampling.params import SamplingParams
+    from swaserve.server.core_process import core_stats
+    from swaserve.server.ipc import output_to_wire
+
+    while True:
+        op, body = wire.recv()
+        if op == STEP:
+            for r, rid, ids, params in body["add"]:
+                if r == rank:
+                    core.add_request(rid, ids, SamplingParams.from_dict(params))
+            if body["abort"]:
+                core.abort_requests(body["abort"])
+            outs = core.step()
+            flags = [core.has_unfinished(), core.has_in_flight(), core.scheduler.has_unfinished()]
+            wire.answer([[output_to_wire(o) for o in outs], flags])
+        elif op == STATS:
+            wire.answer(core_stats(core))
+        elif op == CHECK:
+            try:
+                core.memory.check_integrity()
+                wire.answer("")
+            except AssertionError as e:
+                wire.answer(f"data-parallel rank {rank}: {e!r}")
+        elif op == STOP:
+            return
+        else:
+            raise RuntimeError(f"expert-parallel wire: unknown op {op}")

@@ -1,0 +1,191 @@
+"""Data-parallel attention with expert-parallel MoE (`--data-parallel-size D
+--enable-expert-parallel`): each of the D ranks runs its own engine (scheduler, KV pool, prefix
+cache) on its own requests, with attention and dense weights whole, and holds E/D of every MoE
+layer's experts (expert_shards.py). Tokens meet the experts by collectives.
+
+Lockstep. Every rank makes the same collectives in the same order, one step at a time
+(EngineCore.step):
+
+    agree_step(tokens)   one all-gather (gloo) of [tokens this step, wants to stop] per rank:
+                         each rank learns every rank's token count, which sizes the step's
+                         exchange, and whether any rank has work at all
+    the forward          only when some rank has tokens: a rank with a batch runs its model, a
+                         rank without one an idle forward (`idle_forward`: the MoE layers alone,
+                         on zero tokens); either way every MoE layer, in layer order, makes
+                         dispatch + combine
+    end_step()           the step's sizes are dropped
+
+So when no rank has work nobody blocks in a forward, and a rank with no work still serves its
+experts to the others. Forwards outside a step (start-up calibration, which every rank runs)
+exchange their sizes in each MoE layer instead.
+
+In each MoE layer (`moe_forward`): the router runs on the rank's own tokens (the same weights on
+every rank, so routing equals one process's), then `MoEExchange.dispatch` brings every rank's
+tokens with their top-k ids and weights, each rank computes its experts' share for all of them
+(`local_experts`), and `MoEExchange.combine` sums the shares and hands each rank its own rows.
+`GatherExchange` does it with all-gathers padded to the step's largest rank and one
+reduce-scatter; an all-to-all that sends each token only to its experts' ranks can replace it
+behind the same two calls.
+
+Every collective runs under `guard()`: a failure caused by a rank that died is re-raised as a
+`RankFailure` naming it (`explain`, given by the launcher), never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swaserve.distributed.expert_shards import moe_layers
+from swaserve.distributed.launch import RankFailure
+from swaserve.distributed.parallel_state import EPGroup
+from swaserve.models.moe import SparseMoE
+
+Explain = Callable[[], "RankFailure | None"]
+
+
+class MoEExchange(Protocol):
+    def dispatch(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, sizes: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's tokens x [n, H] with their top-k weights and global expert ids [n, k]
+        -> the tokens this rank's experts must see, same layout (ids -1: no expert)."""
+
+    def combine(self, out: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """This rank's experts' share for the dispatched tokens -> the full MoE output of this
+        rank's own n tokens (every rank's shares summed)."""
+
+
+class GatherExchange:
+    """All-gather + reduce-scatter. Each rank pads its rows to m = max(sizes), so the gathered
+    tensors are rank-major blocks of m rows:
+
+        row:   0 ... s_0 ... m | m ... m + s_1 ... 2m | ...
+               rank 0's tokens | rank 1's tokens      |      (padding: x 0, ids and weights -1)
+
+    and the reduce-scatter of the [D m, H] shares gives rank r block r, whose first s_r rows
+    are its own tokens' outputs."""
+
+    def __init__(self, group: EPGroup) -> None:
+        self.group = group
+
+    def dispatch(self, x, weights, ids, sizes):
+        n, k = ids.shape
+        pad = max(sizes) - n
+        # ids travel as float32 beside the weights: exact below 2^24 experts
+        route = torch.cat([weights.float(), ids.float()], dim=1)
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+            route = torch.cat([route, route.new_full((pad, 2 * k), -1.0)])
+        xs = torch.cat(self.group.all_gather(x))
+        rs = torch.cat(self.group.all_gather(route))
+        return xs, rs[:, :k].to(weights.dtype), rs[:, k:].long()
+
+    def combine(self, out, sizes):
+        return self.group.reduce_scatter(out)[: sizes[self.group.rank]]
+
+
+def local_experts(
+    moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """sum over the (token, k) assignments to this rank's experts [lo, hi) of weight * expert(x),
+    [T, H] (zero rows for tokens with none here). The assignments are compacted to one per row
+    (top-1 in local ids) so that the experts' kernel only computes what this rank holds."""
+    lo, hi = moe.expert_range
+    out = torch.zeros_like(x)
+    rows, cols = ((ids >= lo) & (ids < hi)).nonzero(as_tuple=True)
+    if rows.numel():
+        local_ids = (ids[rows, cols] - lo).unsqueeze(1)
+        y = moe.run_experts(x[rows], weights[rows, cols].unsqueeze(1), local_ids, moe.b2)
+        out.index_add_(0, rows, y.to(x.dtype))
+    return out
+
+
+class ExpertParallel:
+    """This rank's handle on the expert-parallel group: the step agreement, the MoE layers'
+    exchange, the idle forward. Set on every SparseMoE of the model as `ep`."""
+
+    def __init__(self, group: EPGroup, explain: Explain, exchange: MoEExchange | None = None):
+        self.group = group
+        self.rank, self.size = group.rank, group.size
+        self.explain = explain
+        self.exchange = exchange or GatherExchange(group)
+        self.sizes: list[int] | None = None  # tokens of every rank in this step's forward
+        self.want_stop = False  # this rank asks every rank to stop after this step (server)
+        self.stopping = False  # some rank asked: every rank leaves its loop after this step
+        self.any_work = False  # some rank had tokens in the last agreed step
+        self.failure: RankFailure | None = None
+        self.store = None  # the rendezvous store, kept alive as long as the group
+        self._layers: list[SparseMoE] = []
+
+    def attach(self, model: nn.Module) -> None:
+        """Route the model's MoE layers (built with this rank's experts) through this group."""
+        self._layers = moe_layers(model)
+        for m in self._layers:
+            m.ep = self
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def agree_step(self, num_tokens: int) -> bool:
+        """The step's one agreement: True when some rank has tokens, so every rank runs a
+        forward (an idle one without tokens of its own)."""
+        t = torch.tensor([num_tokens, int(self.want_stop)], dtype=torch.int64)
+        with self.guard():
+            rows = torch.stack(self.group.all_gather(t, on_cpu=True))
+        self.sizes = rows[:, 0].tolist()
+        self.stopping = bool(rows[:, 1].any())
+        self.any_work = sum(self.sizes) > 0
+        return self.any_work
+
+    def end_step(self) -> None:
+        self.sizes = None
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """This rank's forward without tokens: every MoE layer joins the exchange with zero rows
+        and serves its experts to the other ranks (attention has nothing to do)."""
+        for m in self._layers:
+            m(torch.empty(0, m.w13.shape[2], dtype=m.w13.dtype, device=m.w13.device))
+
+    # ---- one MoE layer -------------------------------------------------------------------
+
+    def moe_forward(self, moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+        sizes = self.sizes
+        if sizes is None:  # a forward outside a step: every rank runs it, sizes exchanged here
+            n = torch.tensor([x.shape[0]], dtype=torch.int64)
+            with self.guard():
+                sizes = [int(s) for s in torch.cat(self.group.all_gather(n, on_cpu=True))]
+        elif sizes[self.rank] != x.shape[0]:  # the other ranks would slice wrong rows
+            raise RuntimeError(
+                f"expert parallelism: a forward of {x.shape[0]} tokens in a step agreed for "
+                f"{sizes[self.rank]} on data-parallel rank {self.rank}"
+            )
+        weights, ids = moe.route(x)
+        with self.guard():
+            xs, ws, es = self.exchange.dispatch(x, weights, ids, sizes)
+        share = local_experts(moe, xs, ws, es)
+        with self.guard():
+            return self.exchange.combine(share, sizes)
+
+    # ---- failures ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Around every collective: a failure caused by a dead rank names it (and sticks)."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            yield
+        except RankFailure:
+            raise
+        except RuntimeError as e:
+            failure = self.explain()
+            if failure is None:
+                raise
+            self.failure = failure
+            raise failure from e

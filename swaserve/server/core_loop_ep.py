@@ -1,0 +1,68 @@
+"""The core loop of one data-parallel rank under expert parallelism (`serve -dp D
+--enable-expert-parallel`): D core processes, each with its own requests, that must make the
+same collectives in the same order (swaserve/distributed/expert_parallel.py).
+
+    while True:
+        read every waiting message: without a wait while any rank had work in the last step,
+            else for at most IDLE_POLL_MS (so an idle rank joins the next agreement soon after
+            another rank gets a request; nobody waits in a forward for a rank that sleeps)
+        step once, always: its agreement is the one collective every rank makes each iteration;
+            a forward follows only when some rank has tokens
+        send the step's outputs (as CoreLoop)
+        leave once the agreement said some rank stops (shutdown, or its server gone): all
+            ranks leave after the same step, none is left waiting in a collective
+
+A peer that died fails the next agreement or exchange with a RankFailure naming its rank: the
+core sends `dead` and exits, and the frontend's watchdog takes the server down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from swaserve.config import EngineConfig
+from swaserve.distributed.expert_parallel import ExpertParallel
+from swaserve.server.core_process import CoreLoop, core_stats, first_scheduled
+from swaserve.server.ipc import OUTPUTS, output_to_wire
+
+log = logging.getLogger("swaserve.core")
+IDLE_POLL_MS = 20  # an idle rank's wait for requests between two agreements
+
+
+def join_group(config: EngineConfig, spec: dict) -> ExpertParallel:
+    """Join the group the frontend set up: spec {"rank", "size", "host", "port"}."""
+    from swaserve.distributed.ep_launch import join_expert_parallel
+
+    device = config.torch_device()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    return join_expert_parallel(spec["size"], spec["rank"], spec["host"], spec["port"], device)
+
+
+class EPCoreLoop(CoreLoop):
+    def run(self) -> None:
+        core = self.core
+        ep = core.ep
+        self.send_ready()
+        while True:
+            busy = core.has_unfinished() or ep.any_work
+            changed = self.read_inputs(0 if busy else IDLE_POLL_MS)
+            parent_gone = os.getppid() != self.parent
+            if parent_gone and not ep.want_stop:
+                log.warning("the server process is gone; engine core exits")
+            ep.want_stop = ep.want_stop or not self.running or parent_gone
+            start = time.monotonic()
+            outputs = core.step()
+            queue_times = first_scheduled(self.queued, start) if self.queued else []
+            if (outputs or changed or queue_times) and not parent_gone:
+                wire = [output_to_wire(o) for o in outputs]
+                self.send([OUTPUTS, wire, core_stats(core), queue_times])
+            if ep.stopping:
+                break
+        if parent_gone:
+            self.out.close(linger=0)  # nobody will read what is still queued
+        ep.group.shutdown()
