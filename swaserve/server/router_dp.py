@@ -6,6 +6,10 @@ longest such match wins), unless that replica's load (sequences in flight) excee
 loaded replica's by more than `margin`. Otherwise the least loaded replica; ties go to the one
 that was given the fewest requests so far, then to the lowest rank. A request's samples
 (n > 1) are one choice: they share the prompt and so its cached pages.
+
+The PD router (swaserve/disaggregation/router.py) uses the same choice and LRU for its prefill
+and decode instances; it does not tokenize, so it keys text prompts by characters
+(`text_prefix_keys`) and token-id prompts by tokens (`prefix_keys`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Sequence
 PREFIX_LENS = (64, 256, 1024)  # page-size multiples for the page sizes in use (16, 32, 64)
 LOAD_MARGIN = 4  # sequences in flight an affine replica may carry beyond the least loaded one
 LRU_SIZE = 4096  # prefix hashes remembered per replica
+TEXT_PREFIX_LENS = (256, 1024, 4096)  # characters: about PREFIX_LENS tokens of English text
 
 
 def choose_replica(
@@ -46,6 +51,12 @@ def choose_replica(
 def prefix_keys(token_ids: Sequence[int], lens: Sequence[int] = PREFIX_LENS) -> list[tuple]:
     """(length, hash of the first `length` tokens) for each length the prompt has."""
     return [(k, hash(tuple(token_ids[:k]))) for k in lens if len(token_ids) >= k]
+
+
+def text_prefix_keys(text: str, lens: Sequence[int] = TEXT_PREFIX_LENS) -> list[tuple]:
+    """(length, hash of the first `length` characters) for each length the text has: the keys
+    of a prompt not tokenized (the PD router). Hashes are per process, as the LRU is."""
+    return [(k, hash(text[:k])) for k in lens if len(text) >= k]
 
 
 class PrefixAffinity:

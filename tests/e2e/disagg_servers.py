@@ -27,7 +27,7 @@ PAGE = 16
 FULL_LAYERS, SLIDING_LAYERS, WINDOW = 3, 15, 512
 
 __all__ = ["API_KEY", "CHAT_TEMPLATE", "GEMMA", "LAYER_PAGE_BYTES", "RunningRouter", "counter",
-           "expected_bytes", "idle", "start_pair"]
+           "expected_bytes", "idle", "start_fleet", "start_pair"]
 
 
 def expected_bytes(prompt_len: int, cached: int) -> int:
@@ -84,13 +84,23 @@ def start_instance(mode: str, backend: str, log_path: Path, model: str = GEMMA,
 def start_pair(folder: Path, backend: str, model: str = GEMMA,
                extra: tuple[str, ...] = ()) -> list[RunningServer]:
     """[router, prefill, decode], all ready (the instances load side by side)."""
+    return start_fleet(folder, backend, model, extra, decodes=1)
+
+
+def start_fleet(folder: Path, backend: str, model: str = GEMMA, extra: tuple[str, ...] = (),
+                decodes: int = 2) -> list[RunningServer]:
+    """[router, prefill, decode 0, decode 1, ...], all ready (the instances load side by
+    side)."""
     started: list[RunningServer] = []
     try:
-        for mode in ("prefill", "decode"):
-            started.append(start_instance(mode, backend, folder / f"{mode}.log", model, extra))
+        modes = ["prefill"] + ["decode"] * decodes
+        for i, mode in enumerate(modes):
+            log = folder / (f"{mode}.log" if decodes == 1 else f"{mode}-{i}.log")
+            started.append(start_instance(mode, backend, log, model, extra))
         for s in started:
             s.wait_ready()
-        router = RunningRouter([started[0].url], [started[1].url], folder / "router.log")
+        router = RunningRouter([started[0].url], [s.url for s in started[1:]],
+                               folder / "router.log")
         started.insert(0, router)
         router.wait_ready()
     except BaseException:
