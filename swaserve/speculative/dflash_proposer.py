@@ -23,8 +23,8 @@ The target's outputs come from every step path (eager, piecewise, decode and ver
 graphs: `ModelRunner.keep`/`kept`).
 
 Partial (written down, not hidden): attention in torch over gathered contexts (not the paged
-kernel), drafts read back with one extra device sync per step, and the drafter itself runs
-eagerly (not in a CUDA graph).
+kernel), drafts read back with one extra device sync per step (its host-to-device copies do
+not wait for the stream), and the drafter itself runs eagerly (not in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ from swaserve.speculative.dflash_model import BatchedContext, DFlashDrafter
 # Padded context rows (requests x longest context) drafted in one forward: bounds the gathered
 # K/V (x layers x heads x dims) and the score matrix.
 CONTEXT_ROWS = 1 << 16
+
+
+def _to(t: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on `device` without a stream sync: a pageable host-to-device copy
+    with non_blocking=True is staged at once, where a blocking one waits for the stream (every
+    such wait lets the GPU drain on the slow host of the step loop)."""
+    return t.to(device, non_blocking=True)
 
 
 class DFlashProposer:
@@ -82,12 +89,12 @@ class DFlashProposer:
         target's outputs after target_layer_ids concatenated (ModelRunner.kept)."""
         ctx = self.drafter.project_context(features.to(self.dtype))
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
-        dev_positions = positions.to(ctx.device)
+        dev_positions = _to(positions, ctx.device)
         for j, layer_id in enumerate(self.pool_layer_ids):
             g = self.layout.layer_to_group[layer_id]
             slots = self._slots([pt[g] for pt in page_tables], starts, counts)
             k, v = self.drafter.context_kv(j, ctx, dev_positions)[:2]
-            kv.store(layer_id, k, v, slots.to(ctx.device))
+            kv.store(layer_id, k, v, _to(slots, ctx.device))
 
     def _slots(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> Tensor:
         ps = self.page_size
@@ -117,12 +124,10 @@ class DFlashProposer:
             i = j
         if not drafts:
             return []
-        flat = torch.cat(drafts).tolist()  # the drafts on the host: one sync for the step
-        out, start = [], 0
-        for k in ks:
-            out.append(flat[start : start + k])
-            start += k
-        return out
+        # the drafts on the host: one sync per chunk (one chunk but for very long contexts);
+        # each chunk's rows are padded to its own largest k
+        rows = [row for chunk in drafts for row in chunk.tolist()]
+        return [row[:k] for row, k in zip(rows, ks, strict=True)]
 
     def _propose_chunk(
         self, requests: list[Request], ks: list[int], memory: MemoryManager, kv: KVPool
@@ -137,14 +142,12 @@ class DFlashProposer:
         ]
         block = torch.full((r, b), cfg.mask_token_id, dtype=torch.int64)
         block[:, 0] = torch.tensor([q.tokens(c, c + 1)[0] for q, c in zip(requests, starts)])
-        embeds = self.drafter.embed_block(block.to(dev), self.embedding).to(self.dtype)
-        positions = (starts[:, None] + torch.arange(b)[None, :]).to(dev)
+        embeds = self.drafter.embed_block(_to(block, dev), self.embedding).to(self.dtype)
+        positions = _to(starts[:, None] + torch.arange(b)[None, :], dev)
         hidden = self.drafter.forward_blocks(embeds, positions, ctx)  # [R, B, hidden]
         k_max = max(ks)
         logits = self.drafter.compute_logits(hidden[:, 1 : k_max + 1], self.head)
-        ids = logits.argmax(-1)  # [R, k_max]
-        keep = torch.arange(k_max)[None, :] < torch.tensor(ks)[:, None]
-        return ids[keep.to(dev)]
+        return logits.argmax(-1)  # [R, k_max]: the host keeps each request's first k
 
     def _context(
         self,
@@ -170,11 +173,11 @@ class DFlashProposer:
         slots = table.gather(1, index) * ps + positions % ps
         slots = torch.where(valid, slots, 0)  # padding reads the NULL page, never seen
         dev = kv.kv.device
-        keys, values = kv.read(layer_id, slots.view(-1).to(dev))
+        keys, values = kv.read(layer_id, _to(slots.view(-1), dev))
         shape = (len(rows), width, *keys.shape[1:])
         return BatchedContext(
             keys.view(shape).to(self.dtype),
             values.view(shape).to(self.dtype),
-            positions.to(dev),
-            valid.to(dev),
+            _to(positions, dev),
+            _to(valid, dev),
         )
