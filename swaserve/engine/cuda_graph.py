@@ -17,8 +17,11 @@ launch cannot change its grid. Only the Triton backend is captured; eager is the
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -33,6 +36,23 @@ from swaserve.engine.forward_batch import DeviceTokens, ForwardBatch
 from swaserve.memory.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Around CUDA graph captures: collect garbage first, then none until the captures end.
+    A collection during a capture can free an earlier engine's graphs (tests build many), and
+    destroying a graph while a stream captures is not permitted: the capture fails with
+    "operation not permitted when stream is capturing" (seen on the H200 as an
+    order-dependent test failure)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -112,7 +132,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with no_collection(), torch.cuda.stream(stream):
             for bs in reversed(self.buckets):  # largest first: smaller ones reuse its pool
                 fb = self._batch(bs)
                 for _ in range(2):  # warm up: Triton compiles, allocator settles

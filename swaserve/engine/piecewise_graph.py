@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from swaserve.attention.triton_backend import TritonBackend
+from swaserve.engine.cuda_graph import no_collection
 from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.memory.kv_pool import KVPool
 from swaserve.models.blocks import AttentionSpec
@@ -140,7 +141,7 @@ class PiecewiseGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with no_collection(), torch.cuda.stream(stream):
             for t in reversed(self.buckets):  # largest first: the others fit in its memory
                 split = _Splitter(self)
                 fb = ForwardBatch(self.input_ids[:t], self.positions[:t], split, None, self.kv,
