@@ -75,6 +75,11 @@ class EngineConfig:
     data_parallel_size: int = 1
     # MoE models: the experts split over the D ranks, attention data-parallel (one engine each)
     enable_expert_parallel: bool = False
+    # Expert parallelism: rows per rank of the fixed-shape MoE exchange of decode-only steps,
+    # and the most decode/verify tokens the scheduler puts on a rank's step (0: no fixed
+    # workspace, every step variable-size). None: the largest decode step, min(budget,
+    # max_num_seqs x (1 + drafts per verify)) (swaserve/distributed/decode_workspace.py).
+    moe_decode_max_tokens_per_rank: int | None = None
     # Prefill/decode disaggregation (docs/architecture.md §9.3, swaserve/disaggregation/):
     # `serve` only; a PD pair is two instances behind `swaserve router`.
     disaggregation_mode: str | None = None  # prefill | decode
@@ -115,6 +120,9 @@ class EngineConfig:
             raise bad("piecewise_cuda_graph_max_tokens", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
+        cap = self.moe_decode_max_tokens_per_rank
+        if cap is not None and cap < 0:
+            raise bad("moe_decode_max_tokens_per_rank", "must be >= 0 (0: no decode workspace)")
         self._check_speculative(bad)
         self._check_parallel(bad)
         self._check_disaggregation(bad)
@@ -191,13 +199,16 @@ class EngineConfig:
         if dp < 2:
             raise bad("enable_expert_parallel", "needs --data-parallel-size >= 2 (the ranks the "
                       "experts are spread over)")
-        unsupported = [
-            ("speculative_algorithm", self.speculative_algorithm is not None),
-            ("nnodes", self.nnodes > 1),
-        ]
-        for name, on in unsupported:
-            if on:
-                raise bad(name, "is not supported with --enable-expert-parallel yet")
+        # N-gram speculation runs per rank (each drafts for its own requests; verify forwards
+        # join the MoE exchange like any forward). DFlash stays refused until a test holds it
+        # here: its drafter is dense and per rank (no collective), but its context K/V come
+        # from the target's kept hidden states, and no test covers that over an expert-parallel
+        # target yet (a tiny DFlash drafter for gpt-oss / Qwen3-MoE would be the test).
+        if self.speculative_algorithm == "dflash":
+            raise bad("speculative_algorithm", "is not supported with --enable-expert-parallel "
+                      "yet (ngram is)")
+        if self.nnodes > 1:
+            raise bad("nnodes", "is not supported with --enable-expert-parallel yet")
 
     def _check_disaggregation(self, bad) -> None:
         """A PD instance: what does not run inside a pair yet is refused before loading."""
@@ -444,6 +455,12 @@ FLAGS: dict[str, FlagInfo] = {
     "enable_expert_parallel": FlagInfo(
         "distributed", "MoE models: spread every layer's experts over the --data-parallel-size "
         "ranks (attention stays data-parallel, tokens reach the experts by collectives)"
+    ),
+    "moe_decode_max_tokens_per_rank": FlagInfo(
+        "distributed",
+        "expert parallelism: most decode/verify tokens on a rank's step; steps where every "
+        "rank decodes exchange fixed-shape buffers of this many rows per rank; 0: none",
+        default="min(--max-num-batched-tokens, --max-num-seqs x (1 + draft tokens))",
     ),
     # disaggregation
     "disaggregation_mode": FlagInfo(

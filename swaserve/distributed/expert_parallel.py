@@ -6,9 +6,11 @@ layer's experts (expert_shards.py). Tokens meet the experts by collectives.
 Lockstep. Every rank makes the same collectives in the same order, one step at a time
 (EngineCore.step):
 
-    agree_step(tokens)   one all-gather (gloo) of [tokens this step, wants to stop] per rank:
-                         each rank learns every rank's token count, which sizes the step's
-                         exchange, and whether any rank has work at all
+    agree_step(tokens)   one all-gather (gloo) of [tokens this step, wants to stop, decode
+                         only] per rank: each rank learns every rank's token count, which
+                         sizes the step's exchange, whether any rank has work at all, and
+                         whether the step takes the fixed-shape decode path (every rank
+                         decode-only, none above the cap: decode_workspace.py)
     the forward          only when some rank has tokens: a rank with a batch runs its model, a
                          rank without one an idle forward (`idle_forward`: the MoE layers alone,
                          on zero tokens); either way every MoE layer, in layer order, makes
@@ -25,7 +27,12 @@ tokens with their top-k ids and weights, each rank computes its experts' share f
 (`local_experts`), and `MoEExchange.combine` sums the shares and hands each rank its own rows.
 `GatherExchange` does it with all-gathers padded to the step's largest rank and one
 reduce-scatter; an all-to-all that sends each token only to its experts' ranks can replace it
-behind the same two calls.
+behind the same two calls. Decode-only steps use `FixedExchange` instead (the same collectives
+on buffers of N rows per rank, allocated once: decode_workspace.py).
+
+Speculative decoding (n-gram) needs nothing more: each rank drafts for its own requests, a
+verify chunk is K + 1 tokens of the rank's step like any chunk (counted in the agreement and
+against the cap), and a rank without requests joins the verify step with an idle forward.
 
 Every collective runs under `guard()`: a failure caused by a rank that died is re-raised as a
 `RankFailure` naming it (`explain`, given by the launcher), never a hang.
@@ -60,6 +67,10 @@ class MoEExchange(Protocol):
         """This rank's experts' share for the dispatched tokens -> the full MoE output of this
         rank's own n tokens (every rank's shares summed)."""
 
+    # where local_experts writes the share of the dispatched rows (same shape), or None: a new
+    # tensor per call
+    share: torch.Tensor | None
+
 
 class GatherExchange:
     """All-gather + reduce-scatter. Each rank pads its rows to m = max(sizes), so the gathered
@@ -70,6 +81,8 @@ class GatherExchange:
 
     and the reduce-scatter of the [D m, H] shares gives rank r block r, whose first s_r rows
     are its own tokens' outputs."""
+
+    share = None
 
     def __init__(self, group: EPGroup) -> None:
         self.group = group
@@ -91,13 +104,18 @@ class GatherExchange:
 
 
 def local_experts(
-    moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    moe: SparseMoE,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum over the (token, k) assignments to this rank's experts [lo, hi) of weight * expert(x),
-    [T, H] (zero rows for tokens with none here). The assignments are compacted to one per row
-    (top-1 in local ids) so that the experts' kernel only computes what this rank holds."""
+    [T, H] (zero rows for tokens with none here), in `out` when given. The assignments are
+    compacted to one per row (top-1 in local ids) so that the experts' kernel only computes what
+    this rank holds."""
     lo, hi = moe.expert_range
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(x) if out is None else out.zero_()
     rows, cols = ((ids >= lo) & (ids < hi)).nonzero(as_tuple=True)
     if rows.numel():
         local_ids = (ids[rows, cols] - lo).unsqueeze(1)
@@ -115,7 +133,14 @@ class ExpertParallel:
         self.rank, self.size = group.rank, group.size
         self.explain = explain
         self.exchange = exchange or GatherExchange(group)
+        # the decode-only path (decode_workspace.py): set by enable_decode_workspace
+        self.decode_exchange: MoEExchange | None = None
+        self.cap = 0  # N: most tokens per rank on the fixed path; 0: no fixed path
         self.sizes: list[int] | None = None  # tokens of every rank in this step's forward
+        self.fixed = False  # this step's MoE layers exchange through the decode workspace
+        # counters for memory_stats(): agreed steps with a forward on each path, and this
+        # rank's decode-only steps above the cap (the scheduler keeps that at 0)
+        self.counts = {"moe_decode_steps": 0, "moe_prefill_steps": 0, "moe_decode_over_cap": 0}
         self.want_stop = False  # this rank asks every rank to stop after this step (server)
         self.stopping = False  # some rank asked: every rank leaves its loop after this step
         self.any_work = False  # some rank had tokens in the last agreed step
@@ -129,21 +154,50 @@ class ExpertParallel:
         for m in self._layers:
             m.ep = self
 
+    def enable_decode_workspace(self, rows: int) -> int:
+        """The fixed-shape path for decode-only steps of at most `rows` tokens per rank (after
+        `attach`; every rank calls it with the same rows). Returns the workspace's bytes."""
+        from swaserve.distributed.decode_workspace import DecodeWorkspace, FixedExchange
+
+        # every MoE layer of a model has the same hidden size and top-k: one set of buffers, in
+        # the activations' dtype (the router's)
+        shapes = {(m.router.weight.shape[1], m.top_k, m.router.weight.dtype, m.w13.device)
+                  for m in self._layers}  # fmt: skip
+        assert len(shapes) == 1, f"MoE layers of different shapes: {shapes}"
+        h, k, dtype, device = shapes.pop()
+        ws = DecodeWorkspace(self.group, rows, h, k, dtype, device)
+        self.decode_exchange = FixedExchange(self.group, ws)
+        self.cap = rows
+        return ws.nbytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        ex = self.decode_exchange
+        return ex.ws.nbytes if ex is not None else 0
+
     # ---- the step ------------------------------------------------------------------------
 
-    def agree_step(self, num_tokens: int) -> bool:
+    def agree_step(self, num_tokens: int, decode_only: bool = False) -> bool:
         """The step's one agreement: True when some rank has tokens, so every rank runs a
-        forward (an idle one without tokens of its own)."""
-        t = torch.tensor([num_tokens, int(self.want_stop)], dtype=torch.int64)
+        forward (an idle one without tokens of its own). `decode_only`: every chunk of this
+        rank's batch is a decode or a verify (True for an empty batch)."""
+        t = torch.tensor([num_tokens, int(self.want_stop), int(decode_only)], dtype=torch.int64)
         with self.guard():
             rows = torch.stack(self.group.all_gather(t, on_cpu=True))
         self.sizes = rows[:, 0].tolist()
         self.stopping = bool(rows[:, 1].any())
         self.any_work = sum(self.sizes) > 0
+        # the same rows on every rank: every rank takes the same path
+        self.fixed = self.cap > 0 and bool(rows[:, 2].all()) and max(self.sizes) <= self.cap
+        if self.any_work:
+            self.counts["moe_decode_steps" if self.fixed else "moe_prefill_steps"] += 1
+            if self.cap and decode_only and num_tokens > self.cap:
+                self.counts["moe_decode_over_cap"] += 1
         return self.any_work
 
     def end_step(self) -> None:
         self.sizes = None
+        self.fixed = False
 
     @torch.inference_mode()
     def idle_forward(self) -> None:
@@ -165,12 +219,13 @@ class ExpertParallel:
                 f"expert parallelism: a forward of {x.shape[0]} tokens in a step agreed for "
                 f"{sizes[self.rank]} on data-parallel rank {self.rank}"
             )
+        exchange = self.decode_exchange if self.fixed else self.exchange
         weights, ids = moe.route(x)
         with self.guard():
-            xs, ws, es = self.exchange.dispatch(x, weights, ids, sizes)
-        share = local_experts(moe, xs, ws, es)
+            xs, ws, es = exchange.dispatch(x, weights, ids, sizes)
+        share = local_experts(moe, xs, ws, es, exchange.share)
         with self.guard():
-            return self.exchange.combine(share, sizes)
+            return exchange.combine(share, sizes)
 
     # ---- failures ------------------------------------------------------------------------
 

@@ -161,6 +161,16 @@ class EPGroup(TPGroup):
         group.allgather([outs], [x.contiguous()]).wait()
         return outs
 
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x [n, ...] into out [size * n, ...], rank-major; returns out."""
+        self.device_group._allgather_base(out, x.contiguous()).wait()
+        return out
+
+    def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """reduce_scatter into a given out [n, ...]; returns out."""
+        self.device_group._reduce_scatter_base(out, x.contiguous()).wait()
+        return out
+
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """x [size * n, ...] summed over the ranks; this rank gets rows [rank * n, (rank+1) * n)."""
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)

@@ -202,6 +202,8 @@ class EngineCore:
         if config.speculative_algorithm:
             self.spec = Speculation(config, self.sampler, self.max_model_len, self.memory,
                                     self.kv, self._dflash_proposer())
+        if self.ep is not None:
+            self._start_decode_workspace()
         # A PD prefill instance reads a sample's generator right after its one draw: no overlap.
         self.overlap = (not config.disable_overlap_schedule and self.spec is None
                         and config.disaggregation_mode != "prefill")
@@ -212,9 +214,9 @@ class EngineCore:
                 log.warning("no CUDA graphs with --tensor-parallel-size > 1 yet (the workers do "
                             "not replay graphs in step with rank 0): running eager")
             elif self.ep is not None:
-                log.warning("no CUDA graphs with --enable-expert-parallel yet (the MoE exchange "
-                            "is sized by every rank's tokens each step, and idle ranks run "
-                            "MoE-only forwards): running eager")
+                log.warning("no CUDA graphs with --enable-expert-parallel yet (decode-only "
+                            "steps exchange fixed-shape buffers, but the experts' kernel and "
+                            "idle ranks' MoE-only forwards are not captured): running eager")
             else:
                 self._capture_graphs(backend)
         self.requests: dict[str, Request] = {}
@@ -229,6 +231,28 @@ class EngineCore:
             num_pages * bytes_per_page / 1e9,
             [(g.kind, g.window, len(g.layers)) for g in self.layout.groups],
         )
+
+    def _start_decode_workspace(self) -> None:
+        """Expert parallelism: the fixed-shape MoE workspace of decode-only steps and the
+        scheduler's cap that keeps every such step within it (distributed/decode_workspace.py).
+        Every rank runs this with the same config: the same N everywhere."""
+        from swaserve.distributed.decode_workspace import decode_cap
+
+        drafts = self.spec.k if self.spec is not None else 0
+        cap = decode_cap(self.config, drafts)
+        if cap == 0:
+            log.info("MoE decode workspace: off (every step exchanges variable-size buffers)")
+            return
+        if cap < drafts + 1:
+            raise ValueError(
+                f"--moe-decode-max-tokens-per-rank {cap} is below one verify step's {drafts + 1} "
+                f"tokens (--speculative-num-draft-tokens {drafts} + 1): give at least "
+                f"{drafts + 1}, or 0 for no decode workspace"
+            )
+        self.scheduler.decode_cap = cap
+        nbytes = self.ep.enable_decode_workspace(cap)
+        log.info("MoE decode workspace: %d tokens per rank x %d ranks, %.2f MB",
+                 cap, self.ep.size, nbytes / 1e6)
 
     def _start_parallel(self, folder: Path) -> TPGroup | None:
         """Tensor parallelism (T > 1): check that the model splits, then start the other ranks
@@ -474,7 +498,11 @@ class EngineCore:
         when another rank has one, so that every MoE layer's exchange has all ranks."""
         if self.ep is None:
             return bool(batch)
-        if self.ep.agree_step(sum(batch.num_new_tokens)) and not batch:
+        # decode-only: every chunk is a request's last token plus its drafts (a verify counts
+        # its K + 1 tokens); with every rank so and none above the cap, the step's MoE layers
+        # take the fixed-shape path
+        decode_only = all(r.num_computed_tokens == r.num_tokens - 1 for r in batch.requests)
+        if self.ep.agree_step(sum(batch.num_new_tokens), decode_only) and not batch:
             self.ep.idle_forward()
         return bool(batch)
 
@@ -711,6 +739,9 @@ class EngineCore:
         else:
             stats.update(dict.fromkeys(("cache_pages", "host_pages", "cache_hit_tokens",
                                         "evictions", "host_loads", "host_load_waits"), 0))
+        if self.ep is not None:  # the MoE exchange's decode workspace and its paths' steps
+            stats["moe_workspace_bytes"] = self.ep.workspace_bytes
+            stats.update(self.ep.counts)
         return stats
 
 

@@ -12,6 +12,14 @@ page tables take the cached pages, `num_computed_tokens` jumps to the hit, and o
 is computed. After each step every running request's computed pages enter the cache, and a
 request that finishes, aborts or is preempted hands its pages to the cache before freeing.
 
+Decode cap (`decode_cap`, expert parallelism only: --moe-decode-max-tokens-per-rank N): the
+decoding requests of a step (chunk = the last token, plus the drafts of a verify: 1 + K tokens)
+carry at most N tokens together, so a decode-only step always fits the fixed-shape MoE workspace
+(swaserve/distributed/decode_workspace.py). Those past the cap wait for the next step, which
+starts with the first of them (round robin over the decoding requests: none waits for more than
+a few steps). The cap holds for the decodes of a mixed step too; prefill chunks (admissions
+included) are not capped, and a step with one takes the variable-size path.
+
 A hit on pages offloaded to host or disk is admitted (pages allocated, loads queued) but held
 out of the forward while `cache.loads_pending` (on CUDA the loads land on a side stream while
 other requests compute): a held running request is skipped (no budget used; it keeps its
@@ -83,6 +91,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for metrics and tests
+        # Most decode/verify tokens per step (module docstring); None: no cap. Set by the
+        # engine under expert parallelism.
+        self.decode_cap: int | None = None
+        self._decode_next: Request | None = None  # the first request the cap held back
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -125,6 +137,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.budget
         held = False  # a request waits for its prefix's loads
+        decoding = self._decode_picks()
         for req in list(self.running):
             if budget == 0:
                 break
@@ -133,6 +146,8 @@ class Scheduler:
             if self._loading(req):
                 held = True
                 continue
+            if decoding is not None and _decoding(req) and id(req) not in decoding:
+                continue  # past the decode cap: the next step
             n = min(req.num_tokens_with_drafts - req.num_computed_tokens, budget)
             # A verify chunk [last, drafts] cut short verifies fewer drafts, which changes a
             # seeded request's draws: such a request waits for a step with room instead (its
@@ -191,6 +206,29 @@ class Scheduler:
         if held and not batch:
             self.cache.wait_loads()  # nothing to overlap them with: no busy polling
         return batch
+
+    def _decode_picks(self) -> set[int] | None:
+        """The decoding requests (ids of the objects) that may run this step under the decode
+        cap: round robin from the one the last capped step held back, while their tokens
+        (1 + drafts each) stay within the cap; the first always runs (a verify larger than the
+        cap alone: the engine refuses a cap below 1 + K, so only as a safeguard). None: no
+        cap."""
+        cap = self.decode_cap
+        if not cap:
+            return None
+        decodes = [r for r in self.running if _decoding(r) and not self._loading(r)]
+        start = next((i for i, r in enumerate(decodes) if r is self._decode_next), 0)
+        self._decode_next = None
+        picks: set[int] = set()
+        used = 0
+        for req in decodes[start:] + decodes[:start]:
+            n = req.num_tokens_with_drafts - req.num_computed_tokens
+            if picks and used + n > cap:
+                self._decode_next = req
+                break
+            picks.add(id(req))
+            used += n
+        return picks
 
     def _loading(self, req: Request) -> bool:
         """The request's cached prefix is still being loaded: not in this step's forward."""
@@ -339,6 +377,11 @@ class Scheduler:
         self.memory.retire_out_of_window(self.running)
         if self.cache is not None:
             self.cache.tidy()
+
+
+def _decoding(req: Request) -> bool:
+    """Its chunk is its last known token (and its drafts): a decode or a verify."""
+    return req.num_computed_tokens == req.num_tokens - 1
 
 
 def _seeded_random(req: Request) -> bool:

@@ -264,6 +264,116 @@ def test_unequal_batches_every_step(pair):
     two.core.check_integrity()
 
 
+# ---- the decode-only workspace (--moe-decode-max-tokens-per-rank) ---------------------------
+
+
+def _watch_decode_path(core) -> tuple[list[int], list[int], callable]:
+    """On rank 0 (this process): the rows each fixed-path dispatch gathered, and the decode
+    tokens of each batch the scheduler made. Returns (rows, decode tokens, undo)."""
+    local = core.local
+    ex, sched = local.ep.decode_exchange, local.scheduler
+    rows: list[int] = []
+    decode_tokens: list[int] = []
+    dispatch, schedule = ex.dispatch, sched.schedule
+
+    def watched_dispatch(*args):
+        out = dispatch(*args)
+        rows.append(out[0].shape[0])
+        return out
+
+    def watched_schedule():
+        batch = schedule()
+        decode_tokens.append(sum(
+            n for r, n in zip(batch.requests, batch.num_new_tokens)
+            if r.num_computed_tokens == r.num_tokens - 1
+        ))  # fmt: skip
+        return batch
+
+    ex.dispatch, sched.schedule = watched_dispatch, watched_schedule
+
+    def undo() -> None:
+        ex.dispatch, sched.schedule = dispatch, schedule
+
+    return rows, decode_tokens, undo
+
+
+def _ep_engine(folder, **kw) -> Engine:
+    with deadline(120):
+        return Engine(model=str(folder), **EP, **ENGINE, **kw)
+
+
+def test_cap_below_the_running_decodes(folders):
+    """Cap 2 with 4 decoding requests per rank: every request finishes with one process's
+    tokens, no rank's decode step carries more than 2 tokens (rank 0's scheduler watched, both
+    ranks' over-cap counters 0), and every fixed-path exchange gathers D x N = 4 rows."""
+    one = Engine(model=str(folders["qwen3_moe"]), disable_fused_ops=True, **ENGINE)
+    prompts = _prompts([9, 14, 6, 11, 13, 7, 10, 5], seed=21)
+    reqs = [(f"c{i}", p, _params(10), i % 2) for i, p in enumerate(prompts)]
+    ref = {}
+    for r in reqs:
+        ref.update(drive(one.core, [r]))
+    two = _ep_engine(folders["qwen3_moe"], moe_decode_max_tokens_per_rank=2)
+    try:
+        rows, decode_tokens, undo = _watch_decode_path(two.core)
+        try:
+            got = drive(two.core, reqs)
+        finally:
+            undo()
+        _assert_close(ref, got, [r[0] for r in reqs])
+        assert max(decode_tokens) == 2
+        ranks = two.memory_stats()["ranks"]
+        layers = len(two.core.local.ep._layers)
+        for r in ranks:  # 4 x 9 decode tokens 2 a step (uncapped: about 9 decode steps)
+            assert r["moe_decode_over_cap"] == 0 and r["moe_decode_steps"] >= 15
+            assert r["moe_workspace_bytes"] > 0
+        assert rows and set(rows) == {2 * 2}
+        assert len(rows) == ranks[0]["moe_decode_steps"] * layers
+        two.core.check_integrity()
+    finally:
+        two.core.shutdown()
+
+
+def test_cap_off_equals_one_process(folders):
+    """--moe-decode-max-tokens-per-rank 0: no workspace, every step on the variable path."""
+    one = Engine(model=str(folders["gpt_oss"]), disable_fused_ops=True, **ENGINE)
+    prompts = _prompts([12, 7, 19], seed=23)
+    reqs = [(f"o{i}", p, _params(8), i % 2) for i, p in enumerate(prompts)]
+    ref = {}
+    for r in reqs:
+        ref.update(drive(one.core, [r]))
+    two = _ep_engine(folders["gpt_oss"], moe_decode_max_tokens_per_rank=0)
+    try:
+        assert two.core.local.ep.decode_exchange is None
+        got = drive(two.core, reqs)
+        _assert_close(ref, got, [r[0] for r in reqs])
+        for r in two.memory_stats()["ranks"]:
+            assert r["moe_workspace_bytes"] == 0 and r["moe_decode_steps"] == 0
+            assert r["moe_prefill_steps"] > 0
+        two.core.check_integrity()
+    finally:
+        two.core.shutdown()
+
+
+@pytest.mark.parametrize("pair", ["gpt_oss"], indirect=True)
+def test_default_cap_is_the_largest_decode_step(pair):
+    """Default N = min(budget 16, max_num_seqs 256): decode steps gather D x 16 rows; the
+    workspace's bytes are in memory_stats() on each rank."""
+    _, one, two = pair
+    ids = _prompts([10, 6], seed=25)
+    reqs = [("d0", ids[0], _params(6), 0), ("d1", ids[1], _params(9), 1)]
+    rows, _, undo = _watch_decode_path(two.core)
+    try:
+        got = drive(two.core, reqs)
+    finally:
+        undo()
+    ref = {**drive(one.core, reqs[:1]), **drive(one.core, reqs[1:])}
+    _assert_close(ref, got, ["d0", "d1"])
+    assert two.core.local.ep.cap == 16 and rows and set(rows) == {2 * 16}
+    h, k = 64, 2  # hidden size, top-k of the config
+    want = (2 * 2 + 2) * 16 * h * 4 + (2 + 1) * 16 * 2 * k * 4
+    assert [r["moe_workspace_bytes"] for r in two.memory_stats()["ranks"]] == [want, want]
+
+
 # ---- failures ---------------------------------------------------------------------------------
 
 
@@ -293,7 +403,8 @@ def test_bad_flags_fail_at_start(folders):
     with pytest.raises(ValueError, match=r"^invalid --enable-expert-parallel .*--data-parallel"):
         EngineConfig(enable_expert_parallel=True)
     for kwargs, flag in [
-        (dict(speculative_algorithm="ngram"), "--speculative-algorithm"),
+        (dict(speculative_algorithm="dflash"), "--speculative-algorithm"),
+        (dict(moe_decode_max_tokens_per_rank=-1), "--moe-decode-max-tokens-per-rank"),
         (dict(tensor_parallel_size=2), "--data-parallel-size"),
     ]:
         with pytest.raises(ValueError, match=rf"^invalid {flag} "):
@@ -308,6 +419,40 @@ def test_bad_flags_fail_at_start(folders):
 
 
 # ---- pieces, in one process -------------------------------------------------------------------
+
+
+def test_scheduler_decode_cap_round_robin():
+    """Cap 3 over 5 decoding requests: at most 3 decode tokens a step (a verify counts its
+    1 + drafts), taken round robin, so every request runs at least once in any 3 steps."""
+    from swaserve.engine.request import Request
+    from swaserve.engine.scheduler import Scheduler
+    from swaserve.memory.groups import build_layout
+    from swaserve.memory.manager import MemoryManager
+
+    memory = MemoryManager(build_layout([None]), 4, 200)
+    sched = Scheduler(memory, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.decode_cap = 3
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100), 100) for i in range(5)]
+    for r in reqs:
+        sched.add(r)
+    ran: list[set[str]] = []
+    for step in range(12):
+        if step == 6:  # r0 verifies 2 drafts from now on: 3 tokens, a step of its own
+            reqs[0].draft_token_ids = [7, 7]
+        batch = sched.schedule()
+        if step:  # step 0 admits the prompts (not capped); every later chunk is a decode
+            assert sum(batch.num_new_tokens) <= 3
+            ran.append({r.request_id for r in batch.requests})
+        for r, n in zip(batch.requests, batch.num_new_tokens):
+            r.num_computed_tokens += n - len(r.draft_token_ids)  # drafts rejected
+            r.output_token_ids.append(5)
+            if r.draft_token_ids:
+                r.draft_token_ids = [7, 7]
+        sched.retire()
+        memory.check_integrity()
+    for i in range(len(ran) - 2):
+        assert set().union(*ran[i : i + 3]) >= {"r1", "r2", "r3", "r4"}, ran
+    assert {"r0"} in ran[5:]  # the verify alone in its step
 
 
 @pytest.mark.parametrize("name", MOE)
