@@ -1,5 +1,6 @@
 """A loss curve as a PNG with no plotting library: axes, light grid lines at the y ticks, the
-curve as a polyline; the axis ranges go in the PNG's text chunks (the CSV holds the numbers)."""
+curve as a polyline (training in blue, held-out points in orange, joined); the axis ranges go
+in the PNG's text chunks (the CSV holds the numbers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 WIDTH, HEIGHT, MARGIN = 640, 360, 40
 WHITE, GREY, BLACK, BLUE = (255, 255, 255), (225, 225, 225), (0, 0, 0), (31, 119, 180)
+ORANGE = (255, 127, 14)
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -44,10 +46,18 @@ def _line(img: list[bytearray], x0: int, y0: int, x1: int, y1: int, rgb: tuple) 
             y0 += sy
 
 
-def plot_loss(values: list[float], path: str | Path, title: str = "loss") -> None:
-    """Write the curve of `values` (one per step) to `path`."""
+def plot_loss(
+    values: list[float],
+    path: str | Path,
+    title: str = "loss",
+    heldout: list[tuple[int, float]] | None = None,
+) -> None:
+    """Write the curve of `values` (one per step) to `path`, and the held-out (index into
+    `values`, loss) points, if any, on the same axes."""
     img = [bytearray(WHITE * WIDTH) for _ in range(HEIGHT)]
-    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    heldout = heldout or []
+    every = list(values) + [v for _, v in heldout]
+    lo, hi = (min(every), max(every)) if every else (0.0, 1.0)
     if hi - lo < 1e-12:
         hi = lo + 1.0
     x_span, y_span = WIDTH - 2 * MARGIN, HEIGHT - 2 * MARGIN
@@ -56,12 +66,19 @@ def plot_loss(values: list[float], path: str | Path, title: str = "loss") -> Non
         _line(img, MARGIN, y, WIDTH - MARGIN, y, GREY)
     _line(img, MARGIN, MARGIN, MARGIN, HEIGHT - MARGIN, BLACK)
     _line(img, MARGIN, HEIGHT - MARGIN, WIDTH - MARGIN, HEIGHT - MARGIN, BLACK)
-    n = max(1, len(values) - 1)
-    pts = [
-        (MARGIN + round(i * x_span / n), HEIGHT - MARGIN - round((v - lo) / (hi - lo) * y_span))
-        for i, v in enumerate(values)
-    ]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        _line(img, x0, y0, x1, y1, BLUE)
-    text = {"Title": title, "Comment": f"steps 0..{len(values) - 1}, y {lo:.4g}..{hi:.4g}"}
+    n = max(1, len(values) - 1, *(i for i, _ in heldout))
+
+    def point(i: float, v: float) -> tuple[int, int]:
+        y = HEIGHT - MARGIN - round((v - lo) / (hi - lo) * y_span)
+        return MARGIN + round(i * x_span / n), y
+
+    for series, rgb in ((list(enumerate(values)), BLUE), (heldout, ORANGE)):
+        pts = [point(i, v) for i, v in series]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            _line(img, x0, y0, x1, y1, rgb)
+        for x, y in pts if rgb == ORANGE else []:  # a small cross at each held-out point
+            _line(img, x - 2, y, x + 2, y, rgb)
+            _line(img, x, y - 2, x, y + 2, rgb)
+    text = {"Title": title, "Comment": f"steps 0..{len(values) - 1}, y {lo:.4g}..{hi:.4g}"
+            + (" (orange: held-out)" if heldout else "")}
     Path(path).write_bytes(encode_png(img, text))

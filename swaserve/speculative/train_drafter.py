@@ -1,129 +1,55 @@
 """`swaserve train-drafter --target MODEL --out DIR`: train a DFlash drafter on text the target
-itself generates (drafter_training.py has the objective).
+itself generates.
 
-1. Data: prompts from `--prompts FILE` (one per line) or built-in varied ones, in the target's
-   chat template when it has one; the target continues each (greedy by default: the drafter
-   learns what greedy serving will ask of it).
-2. Features: the target's hidden states after `target_layer_ids` at every position of each
-   sequence, from one prefill over a scratch pool (the engine's own model and backend).
-3. Training: a fresh drafter (the target's attention shape, so serving can share its KV
-   pool), AdamW with warm-up and cosine decay, several anchors per sequence per step; the
-   target's embedding and head stay frozen and are not saved.
-4. Output: DIR/config.json (DFlashDraftModel, loadable by swaserve and by the `dflash`
+1. Prompts (drafter_prompts.py, drafter_data.py): from `--prompts FILE` (one per line), or
+   built in: users' messages the target writes itself (sampled, seeded), deduplicated, and
+   "task about topic" templates; in the target's chat template when it has one.
+2. Answers: the target continues each prompt (greedy by default: the drafter learns what
+   greedy serving will ask of it). A held-out share of the sequences is never trained on.
+3. Features (drafter_features.py): the target's hidden states after `target_layer_ids` at
+   every position, from batched prefills on a scratch pool, kept in the target's dtype.
+4. Training (drafter_trainer.py, objective in drafter_training.py): a fresh drafter (the
+   target's attention shape, so serving can share its KV pool), AdamW with warm-up and
+   cosine decay, several sequences per drafter forward, about `--epochs` passes over the
+   data, a held-out acceptance proxy every `--eval-every` steps; the target's embedding and
+   head stay frozen and are not saved.
+5. Output: DIR/config.json (DFlashDraftModel, loadable by swaserve and by the `dflash`
    reference), DIR/model.safetensors, DIR/loss.csv and DIR/loss.png.
+
+Each phase prints its time, so a time-boxed GPU run can be planned from the last one.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import logging
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from swaserve.attention.base import AttentionInputs
-from swaserve.engine.forward_batch import ForwardBatch
-from swaserve.memory.groups import build_layout
-from swaserve.memory.kv_pool import KVPool
-from swaserve.models.blocks import head_dim_of, layer_windows
+from swaserve.models.blocks import head_dim_of
 from swaserve.ops.cpu_linear import dense_weight
 from swaserve.speculative.dflash_config import build_target_layer_ids, dflash_config_from_dict
 from swaserve.speculative.dflash_model import DFlashDrafter
-from swaserve.speculative.drafter_training import (
-    build_blocks,
-    cosine_lr,
-    dflash_loss,
-    sample_anchors,
+from swaserve.speculative.drafter_data import (
+    answer,
+    builtin_prompts,
+    prompt_ids,
+    split_held_out,
+)
+from swaserve.speculative.drafter_features import SequenceSet, target_features
+from swaserve.speculative.drafter_prompts import dedupe
+from swaserve.speculative.drafter_trainer import (
+    CSV_HEADER,
+    DrafterTrainer,
+    Row,
+    TrainPlan,
+    default_steps,
 )
 from swaserve.speculative.loss_plot import plot_loss
-
-log = logging.getLogger(__name__)
-
-_TASKS = [
-    "Explain {t} to a curious twelve-year-old.",
-    "Write a short story about {t}.",
-    "List five facts about {t}, one per line.",
-    "What are the pros and cons of {t}?",
-    "Write a Python function related to {t}, with a docstring.",
-    "Summarise the history of {t} in one paragraph.",
-    "Give step-by-step instructions for getting started with {t}.",
-    "Write a haiku and then a limerick about {t}.",
-    "Compare {t} with something similar and explain the differences.",
-    "Answer as a teacher: why does {t} matter?",
-    "What are common misconceptions about {t}?",
-    "Write a short dialogue between two friends discussing {t}.",
-    "Describe {t} in three sentences.",
-    "Write a blog post introduction about {t}.",
-    "What questions would an expert ask about {t}? Answer two of them.",
-    "Create a quiz with three multiple-choice questions about {t}.",
-    "Explain how {t} works, using an analogy.",
-    "Write a product description for something inspired by {t}.",
-    "What would the world be like without {t}?",
-    "Give a beginner's glossary of five terms related to {t}.",
-]
-_TOPICS = [
-    "photosynthesis", "the Roman empire", "black holes", "sourdough bread", "chess openings",
-    "climate change", "the French revolution", "neural networks", "volcanoes", "jazz music",
-    "the water cycle", "prime numbers", "bicycles", "the immune system", "coffee", "honeybees",
-    "the moon landing", "recycling", "the stock market", "origami", "electric cars",
-    "the printing press", "sleep", "rainforests", "the Olympic games", "sorting algorithms",
-    "gardening", "the human heart", "earthquakes", "public libraries",
-    "machine learning", "the solar system", "ancient Egypt", "chocolate", "the internet",
-    "dinosaurs", "renewable energy", "meditation", "the Renaissance", "quantum computing",
-    "football", "tea ceremonies", "ocean tides", "vaccines", "the piano", "time zones",
-    "hiking", "the human brain", "cryptography", "coral reefs", "democracy", "baking cakes",
-    "the Great Wall of China", "photography", "bees and pollination", "3D printing",
-    "mountains", "the Silk Road", "robots", "friendship", "budgeting", "the blockchain",
-    "wolves", "volunteering", "airplanes", "spices", "the periodic table", "marathons",
-    "the Amazon river", "video games", "glaciers", "Shakespeare", "public speaking",
-    "the theory of evolution", "trains", "mushrooms",
-]
-
-
-def builtin_prompts(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    pairs = [(task, topic) for task in _TASKS for topic in _TOPICS]
-    rng.shuffle(pairs)
-    return [task.format(t=topic) for task, topic in (pairs * (n // len(pairs) + 1))[:n]]
-
-
-def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer(prompt).input_ids
-
-
-@torch.inference_mode()
-def target_features(core: Any, ids: list[int], layer_ids: tuple[int, ...]) -> Tensor:
-    """[L, len(layer_ids) * hidden]: the target's hidden states after `layer_ids` (Hugging
-    Face's hidden_states[i + 1]) at every position of `ids`, one prefill on a scratch pool."""
-    hf, ps = core.hf_config, 16
-    layout = build_layout(layer_windows(hf))
-    per_group = math.ceil(len(ids) / ps)
-    pool = KVPool(layout, 1 + per_group * layout.num_groups, ps, hf.num_key_value_heads,
-                  head_dim_of(hf), core.dtype, core.device)
-    tables = [list(range(1 + g * per_group, 1 + (g + 1) * per_group))
-              for g in range(layout.num_groups)]
-    backend = type(core.runner.backend)(layout, ps, core.device)
-    fb = ForwardBatch(
-        torch.tensor(ids, device=core.device),
-        torch.arange(len(ids), device=core.device),
-        backend,
-        backend.prepare(AttentionInputs([len(ids)], [0], [tables])),
-        pool,
-        keep_layers=frozenset(layer_ids),
-    )
-    core.model(fb)
-    return torch.cat([fb.layer_outputs[i] for i in layer_ids], dim=-1)
 
 
 def drafter_config(hf: Any, args: Any, mask_id: int) -> dict:
@@ -189,129 +115,211 @@ def save_drafter(drafter: DFlashDrafter, raw: dict, out: Path, dtype: torch.dtyp
     return (out / "model.safetensors").stat().st_size
 
 
-def run(args: Any) -> int:
+def _prompts(engine: Any, args: Any) -> list[str]:
+    if args.prompts:
+        texts = dedupe([t.strip() for t in Path(args.prompts).read_text().splitlines()
+                        if t.strip()])
+        return texts[: args.num_prompts] if args.num_prompts else texts
+    return builtin_prompts(
+        engine, args.num_prompts or 12000, args.seed, args.question_share,
+        temperature=args.question_temperature, top_p=args.question_top_p,
+        max_tokens=args.question_max_tokens,
+    )
+
+
+def _features(core: Any, seqs: list[tuple[list[int], int]], layer_ids: tuple[int, ...],
+              max_tokens: int, name: str) -> SequenceSet:
     from tqdm import tqdm
 
-    from swaserve import Engine, SamplingParams
+    with tqdm(total=len(seqs), desc=f"features ({name})", unit="seq") as bar:
+        return target_features(core, seqs, layer_ids, max_tokens, bar.update)
+
+
+class _Clock:
+    """Prints each phase's wall time (the GPU work of a phase is synchronised first)."""
+
+    def __init__(self) -> None:
+        self.device: torch.device | None = None
+        self.start = self.last = time.monotonic()
+
+    def mark(self, what: str) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.monotonic()
+        print(f"train-drafter: {what} ({now - self.last:.0f} s; {now - self.start:.0f} s in "
+              f"all)", flush=True)
+        self.last = now
+
+
+def run(args: Any) -> int:
+    from swaserve import Engine
 
     torch.manual_seed(args.seed)
+    clock = _Clock()
     engine = Engine(model=args.target, device=args.device, dtype=args.dtype,
-                    kv_cache_gb=args.kv_cache_gb, seed=args.seed)
-    core, tok = engine.core, engine.tokenizer
-    if tok is None:
-        raise ValueError(f"{args.target} has no tokenizer: train-drafter needs text prompts")
-    if args.prompts:
-        texts = [t for t in Path(args.prompts).read_text().splitlines() if t.strip()]
-    else:
-        texts = builtin_prompts(args.num_prompts, args.seed)
-    prompts = [prompt_ids(tok, t) for t in texts]
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                            seed=args.seed if args.temperature > 0 else None)
-    t0 = time.monotonic()
-    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
-    seqs = [(p + o.token_ids, len(p)) for p, o in zip(prompts, outs)]
-    n_gen = sum(len(s) - p for s, p in seqs)
-    print(f"train-drafter: {len(seqs)} sequences, {n_gen} generated tokens "
-          f"({time.monotonic() - t0:.0f} s)")
+                    kv_cache_gb=args.kv_cache_gb, seed=args.seed, max_num_seqs=args.max_num_seqs)
+    core = engine.core
+    clock.device = core.device
+    clock.mark(f"loaded {args.target} on {core.device}")
+    seqs = _sequences(engine, args, clock)
+    raw = drafter_config(core.hf_config, args,
+                         _mask_token(engine.tokenizer, int(core.hf_config.vocab_size)))
+    cfg = dflash_config_from_dict(raw, core.hf_config, source="train-drafter")
+    train, heldout = _feature_sets(core, seqs, tuple(cfg.target_layer_ids), args, clock)
+    del engine, seqs  # the token lists are in the feature sets now
 
-    hf = core.hf_config
-    raw = drafter_config(hf, args, _mask_token(tok, int(hf.vocab_size)))
-    cfg = dflash_config_from_dict(raw, hf, source="train-drafter")
     drafter = DFlashDrafter(cfg).to(core.device)
     _init_weights(drafter, args.seed)
     drafter.rotary_emb.restore_buffers(core.device)
-    inner = core.model.model
     # float32 copies made outside inference mode: autograd reads them (frozen, no grad)
-    embedding = dense_weight(inner.embed_tokens).detach().float().clone()
+    embedding = dense_weight(core.model.model.embed_tokens).detach().float().clone()
     head = (embedding if core.model.tie_word_embeddings
             else dense_weight(core.model.lm_head).detach().float().clone())
-    data = [(torch.tensor(s, device=core.device), p,
-             target_features(core, s, cfg.target_layer_ids).float().clone()) for s, p in seqs]
-    del engine  # the generation KV pool is not needed any more
+    if core.device.type == "cuda":  # TF32 matmuls: the float32 drafter's step is matmul-bound
+        torch.backends.cuda.matmul.allow_tf32 = True
+    plan = _plan(args, len(train))
+    rows = DrafterTrainer(drafter, embedding, head, train, heldout, plan).run(
+        lambda line: print(line, flush=True))
+    clock.mark(f"trained {len(rows)} steps")
+    _write(Path(args.out), rows, drafter, raw, args)
+    return 0
 
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(args.seed)
-    out = Path(args.out)
+
+def _sequences(engine: Any, args: Any, clock: _Clock) -> list[tuple[list[int], int]]:
+    """(prompt + answer token ids, prompt length) per prompt."""
+    from swaserve import SamplingParams
+
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValueError(f"{args.target} has no tokenizer: train-drafter needs text prompts")
+    texts = _prompts(engine, args)
+    clock.mark(f"{len(texts)} prompts")
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                            seed=args.seed if args.temperature > 0 else None)
+    seqs = answer(engine, [prompt_ids(tok, t) for t in texts], params,
+                  max_seconds=args.max_generate_seconds)
+    n_gen = sum(len(s) - p for s, p in seqs)
+    clock.mark(f"{len(seqs)} sequences, {n_gen} generated tokens "
+               f"({n_gen / max(1, len(seqs)):.0f} a sequence)")
+    return seqs
+
+
+def _feature_sets(core: Any, seqs: list[tuple[list[int], int]], layer_ids: tuple[int, ...],
+                  args: Any, clock: _Clock) -> tuple[SequenceSet, SequenceSet | None]:
+    """The training and held-out sequences (split_held_out) with the target's features."""
+    train_idx, held_idx = split_held_out(len(seqs), args.heldout_sequences, args.seed)
+    sets = []
+    for name, idx in (("train", train_idx), ("held-out", held_idx)):
+        sets.append(_features(core, [seqs[i] for i in idx], layer_ids,
+                              args.feature_batch_tokens, name) if idx else None)
+    train, heldout = sets
+    size = sum(s.features.numel() * s.features.element_size() for s in sets if s is not None)
+    clock.mark(f"features of {len(train_idx)} training and {len(held_idx)} held-out sequences "
+               f"({size / 2**20:.0f} MiB, {train.features.dtype})")
+    return train, heldout
+
+
+def _plan(args: Any, num_train: int) -> TrainPlan:
+    batch = max(1, min(args.batch_sequences, num_train))
+    steps = args.steps or default_steps(num_train, batch, args.epochs)
+    print(f"train-drafter: {steps} steps of {batch} sequences x {args.anchors} blocks "
+          f"({steps * batch / max(1, num_train):.2f} epochs of {num_train} sequences)",
+          flush=True)
+    return TrainPlan(
+        steps=steps, lr=args.lr, warmup_steps=min(args.warmup_steps, max(1, steps // 10)),
+        batch_sequences=batch, micro_batch_sequences=args.micro_batch_sequences or batch,
+        anchors=args.anchors, loss_decay=args.loss_decay,
+        eval_every=args.eval_every or max(1, steps // 20),
+        max_seconds=args.max_train_seconds, seed=args.seed,
+    )
+
+
+def _write(out: Path, rows: list[Row], drafter: DFlashDrafter, raw: dict, args: Any) -> None:
+    """loss.csv, loss.png, config.json and model.safetensors."""
     out.mkdir(parents=True, exist_ok=True)
-    rows, losses = [], []
-    bar = tqdm(range(args.steps), desc="train-drafter", unit="step")
-    every = max(1, args.steps // 10)
-    t_train = time.monotonic()
-    for step in bar:
-        if args.max_train_seconds and time.monotonic() - t_train > args.max_train_seconds:
-            print(f"train-drafter: stopped at step {step} of {args.steps}: "
-                  f"--max-train-seconds {args.max_train_seconds:g} reached", flush=True)
-            break
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, args.steps, args.lr, args.warmup_steps)
-        opt.zero_grad(set_to_none=True)
-        results = []
-        # several sequences per step: their losses are averaged (one backward each, so that
-        # only one sequence's activations are alive at a time)
-        for _ in range(args.batch_sequences):
-            tokens, lo, feats = data[int(torch.randint(len(data), (1,), generator=gen))]
-            anchors = sample_anchors(lo - 1, tokens.shape[0], cfg.block_size, args.anchors, gen)
-            if not anchors:
-                continue
-            blocks = build_blocks(tokens, anchors, cfg.block_size, cfg.mask_token_id,
-                                  args.loss_decay)
-            res = dflash_loss(drafter, feats, tokens, blocks, embedding, head)
-            (res.loss / args.batch_sequences).backward()
-            results.append(res)
-        if not results:
-            continue
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        n = len(results)
-        loss = sum(float(r.loss.detach()) for r in results) / n
-        acc = sum(r.accuracy for r in results) / n
-        accept = sum(r.accept_length for r in results) / n
-        losses.append(loss)
-        rows.append((step, loss, acc, accept))
-        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", accept=f"{accept:.2f}")
-        if (step + 1) % every == 0:  # a plain line too, for logs that keep no progress bar
-            recent = rows[-every:]
-            print(f"train-drafter: step {step + 1}/{args.steps} loss "
-                  f"{sum(r[1] for r in recent) / len(recent):.3f} accuracy "
-                  f"{sum(r[2] for r in recent) / len(recent):.3f} accept-length proxy "
-                  f"{sum(r[3] for r in recent) / len(recent):.2f}", flush=True)
     with open(out / "loss.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "loss", "accuracy", "accept_length_proxy"])
-        w.writerows(rows)
-    plot_loss(losses, out / "loss.png", title=f"DFlash drafter for {args.target}")
+        w.writerow(CSV_HEADER)
+        w.writerows(r.csv() for r in rows)
+    held = [(i, r.heldout[0]) for i, r in enumerate(rows) if r.heldout]
+    plot_loss([r.loss for r in rows], out / "loss.png", title=f"DFlash drafter for {args.target}",
+              heldout=held)
     size = save_drafter(drafter, raw, out, getattr(torch, args.save_dtype))
+    final = next((r.heldout for r in reversed(rows) if r.heldout), None)
+    if final is not None:
+        print(f"train-drafter: held-out accept-length proxy {final[2]:.2f} (loss {final[0]:.3f}, "
+              f"accuracy {final[1]:.3f})")
     print(f"train-drafter: saved {out} ({size / 2**20:.2f} MiB of weights, {args.save_dtype})")
-    return 0
 
 
 def add_args(p: Any) -> None:
     p.add_argument("--target", required=True, help="the target model (alias, GGUF or folder)")
     p.add_argument("--out", required=True, help="output folder for the drafter")
-    p.add_argument("--prompts", help="a text file, one prompt per line (default: built-in)")
-    p.add_argument("--num-prompts", type=int, default=600, help="built-in prompts to use")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy continuations")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup-steps", type=int, default=100)
-    p.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
-    p.add_argument("--batch-sequences", type=int, default=4,
-                   help="sequences per optimiser step (their losses averaged)")
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers")
-    p.add_argument("--intermediate-size", type=int, default=None,
-                   help="drafter MLP width (default: the target's)")
-    p.add_argument("--target-layers", type=int, nargs="+", default=None,
-                   help="target layers whose outputs feed the drafter (default: 3, spread)")
-    p.add_argument("--loss-decay", type=float, default=4.0,
+    g = p.add_argument_group("data")
+    g.add_argument("--prompts", help="a text file, one prompt per line, deduplicated (default: "
+                   "built-in: messages the target writes itself, and templates)")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts to answer (built-in: how many to make, default 12000; a "
+                   "file: its first N, default all)")
+    g.add_argument("--question-share", type=float, default=0.8,
+                   help="built-in prompts: the share written by the target (the rest, and any "
+                   "shortfall, are templates; default %(default)s)")
+    g.add_argument("--question-temperature", type=float, default=0.8,
+                   help="sampling temperature of the target writing users' messages "
+                   "(default %(default)s)")
+    g.add_argument("--question-top-p", type=float, default=0.95, help="(default %(default)s)")
+    g.add_argument("--question-max-tokens", type=int, default=96,
+                   help="tokens of each list of users' messages the target writes "
+                   "(default %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=320,
+                   help="tokens of each answer (default %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="answers: 0 is greedy")
+    g.add_argument("--max-generate-seconds", type=float, default=0,
+                   help="stop answering after the chunk of prompts in which this ran out and "
+                   "train on what is done (0: no limit)")
+    g.add_argument("--heldout-sequences", type=int, default=256,
+                   help="sequences kept out of training for the held-out acceptance proxy (at "
+                   "most a tenth of them; default %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="requests the target generates at once (default %(default)s)")
+    g.add_argument("--kv-cache-gb", type=float, default=2.0,
+                   help="KV pool of the target while it generates the data "
+                   "(default %(default)s)")
+    g.add_argument("--feature-batch-tokens", type=int, default=65536,
+                   help="tokens per prefill when extracting the target's hidden states "
+                   "(default %(default)s)")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=float, default=2.0,
+                   help="passes over the training sequences: sets --steps when that is not "
+                   "given (default %(default)s)")
+    t.add_argument("--steps", type=int, default=None, help="optimiser steps (default: --epochs)")
+    t.add_argument("--lr", type=float, default=6e-4,
+                   help="peak learning rate (default %(default)s)")
+    t.add_argument("--warmup-steps", type=int, default=100,
+                   help="linear warm-up (at most a tenth of the steps; default %(default)s)")
+    t.add_argument("--anchors", type=int, default=64,
+                   help="blocks per sequence per step (default %(default)s)")
+    t.add_argument("--batch-sequences", type=int, default=8,
+                   help="sequences per optimiser step (default %(default)s)")
+    t.add_argument("--micro-batch-sequences", type=int, default=None,
+                   help="sequences per drafter forward (default: --batch-sequences; fewer use "
+                   "less memory, gradients accumulate)")
+    t.add_argument("--eval-every", type=int, default=None,
+                   help="steps between held-out evaluations (default: a twentieth of the run)")
+    t.add_argument("--loss-decay", type=float, default=4.0,
                    help="row i weighs exp(-(i-1)/decay); 0: equal weights")
-    p.add_argument("--max-train-seconds", type=float, default=0,
-                   help="stop the optimisation after this long and save (0: no limit)")
+    t.add_argument("--max-train-seconds", type=float, default=0,
+                   help="stop the optimisation after this long and save; the learning rate "
+                   "decays to 0 by then (0: no limit)")
+    d = p.add_argument_group("drafter")
+    d.add_argument("--block-size", type=int, default=8)
+    d.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers")
+    d.add_argument("--intermediate-size", type=int, default=None,
+                   help="drafter MLP width (default: the target's)")
+    d.add_argument("--target-layers", type=int, nargs="+", default=None,
+                   help="target layers whose outputs feed the drafter (default: 3, spread)")
+    d.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16",
+                                                                 "float32"))
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="the target's dtype")
-    p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16",
-                                                                 "float32"))
-    p.add_argument("--kv-cache-gb", type=float, default=2.0,
-                   help="KV pool of the target while it generates the data")
     p.add_argument("--seed", type=int, default=0)

@@ -1,12 +1,16 @@
 """`swaserve train-drafter` on CPU (issue 11): a few steps on a tiny target lower the loss; the
 folder it writes loads in swaserve, in the `dflash` reference (`from_pretrained`, same
-weights) and serves as `--speculative-draft-model`, losslessly; the CSV and PNG are there.
-Also the objective's pieces: anchors, the block mask, the position decay."""
+weights) and serves as `--speculative-draft-model`, losslessly; the CSV (with the held-out
+proxy) and PNG are there. Also the pieces: anchors, the block mask, the position decay,
+several sequences in one drafter forward equal to each alone, batched target features equal
+to per-sequence ones (and to Hugging Face's), the held-out split, parsing the target's lists
+of users' messages."""
 
 from __future__ import annotations
 
 import csv
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,10 +19,20 @@ from dflash.model import DFlashDraftModel
 
 from swaserve import Engine, SamplingParams
 from swaserve.cli import main as cli_main
-from swaserve.speculative.dflash_model import load_dflash_drafter
-from swaserve.speculative.drafter_training import build_blocks, sample_anchors
+from swaserve.speculative.dflash_config import dflash_config_from_dict
+from swaserve.speculative.dflash_model import DFlashDrafter, load_dflash_drafter
+from swaserve.speculative.drafter_data import split_held_out
+from swaserve.speculative.drafter_features import feature_batches, target_features
+from swaserve.speculative.drafter_prompts import dedupe, parse_questions, question_requests
+from swaserve.speculative.drafter_training import (
+    build_batch,
+    build_blocks,
+    dflash_loss,
+    sample_anchors,
+)
+from swaserve.speculative.train_drafter import drafter_config
 from swaserve.weights.builtin import resolve_model
-from tests.helpers import save_random_hf_model
+from tests.helpers import save_random_hf_model, tiny_gemma3_config
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +57,18 @@ def test_train_drafter_lowers_loss_and_writes_a_loadable_drafter(target, tmp_pat
     out = tmp_path / "drafter"
     rc = cli_main([
         "train-drafter", "--target", target, "--out", str(out), "--device", "cpu",
-        "--num-prompts", "6", "--max-new-tokens", "40", "--steps", "40", "--warmup-steps", "4",
-        "--lr", "3e-3", "--anchors", "8", "--block-size", "4", "--kv-cache-gb", "0.01",
-        "--save-dtype", "float32",
+        "--num-prompts", "8", "--question-max-tokens", "16", "--max-new-tokens", "40",
+        "--steps", "40", "--warmup-steps", "4", "--lr", "3e-3", "--anchors", "8",
+        "--block-size", "4", "--kv-cache-gb", "0.01", "--save-dtype", "float32",
+        "--batch-sequences", "4", "--micro-batch-sequences", "2", "--eval-every", "10",
     ])
     assert rc == 0
     with open(out / "loss.csv") as f:
-        losses = [float(r["loss"]) for r in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    losses = [float(r["loss"]) for r in rows]
     assert len(losses) >= 30
+    held = [float(r["heldout_accept_length_proxy"]) for r in rows if r["heldout_loss"]]
+    assert len(held) == 4 and all(1.0 <= h <= 4.0 for h in held)  # steps 10, 20, 30, 40
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.8 * first, (first, last)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -91,3 +109,92 @@ def test_blocks_see_their_context_and_their_own_rows_only():
             row = b.visible[4 * j + i]
             assert row[:20].tolist() == [k < a for k in range(20)]  # context before a_j
             assert row[20:].tolist() == [r // 4 == j for r in range(12)]  # its own block
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A tiny random Gemma 3 (sliding layers of window 24, one full) as a CPU float32 engine,
+    and its Hugging Face model."""
+    folder = tmp_path_factory.mktemp("gemma_target")
+    hf = save_random_hf_model(tiny_gemma3_config(), folder)
+    return Engine(model=str(folder), device="cpu", dtype="float32", kv_cache_gb=0.01), hf
+
+
+def test_batched_target_features_equal_one_sequence_at_a_time(gemma):
+    engine, hf = gemma
+    gen = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(3, 256, (n,), generator=gen).tolist(), 2) for n in (5, 61, 30, 17)]
+    layers = (0, 2)  # a sliding layer and the last (final-normed) one
+    assert [list(b) for b in feature_batches([5, 61, 30, 17], 70)] == [[0, 1], [2, 3]]
+    for budget in (10_000, 70):  # all in one forward; two forwards
+        batched = target_features(engine.core, seqs, layers, max_batch_tokens=budget)
+        assert batched.features.dtype == torch.float32 and batched.offsets == [0, 5, 66, 96, 113]
+        assert batched.prompt_lens == [2] * 4
+        for i, (ids, _) in enumerate(seqs):
+            alone = target_features(engine.core, [(ids, 2)], layers).features
+            rows = slice(batched.offsets[i], batched.offsets[i + 1])
+            torch.testing.assert_close(batched.features[rows], alone, atol=1e-5, rtol=1e-5)
+            assert batched.tokens[rows].tolist() == ids
+    ids = seqs[1][0]  # longer than the window: and equal to Hugging Face's hidden states
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    want = torch.cat([ref[i + 1][0] for i in layers], dim=-1)
+    got = target_features(engine.core, [(ids, 2)], layers).features
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_several_sequences_in_one_forward_equal_each_alone(target):
+    """build_batch's mask keeps sequences apart: each block's logits and the loss equal those
+    of its sequence's own forward."""
+    hf = transformers.AutoConfig.from_pretrained(target)
+    args = SimpleNamespace(target_layers=None, intermediate_size=None, num_layers=2,
+                           block_size=4)
+    cfg = dflash_config_from_dict(drafter_config(hf, args, 7), hf, source="test")
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.2)
+    emb, head = torch.randn(hf.vocab_size, 32), torch.randn(hf.vocab_size, 32)
+    lens, width = (20, 33, 12), len(cfg.target_layer_ids) * 32
+    tokens = torch.randint(10, 1000, (sum(lens),))
+    feats = torch.randn(sum(lens), width)
+    offs, anchors = (0, 20, 53), ([1, 5, 16], [3, 4, 20, 29], [8])
+    spans = list(zip(offs, lens))
+    batch = build_batch(tokens, spans, anchors, 4, 7, 2.0)
+    assert batch.ctx_rows.tolist() == list(range(sum(lens)))
+    assert batch.ctx_positions.tolist() == [p for n in lens for p in range(n)]
+    got = dflash_loss(drafter, feats[batch.ctx_rows], batch, emb, head)
+    losses, n_blocks = [], 0
+    for (o, n), a in zip(spans, anchors):
+        one = build_blocks(tokens[o : o + n], a, 4, 7, 2.0)
+        r = dflash_loss(drafter, feats[o : o + n], one, emb, head)
+        losses.append(r.loss * r.num_blocks)
+        n_blocks += r.num_blocks
+    assert got.num_blocks == n_blocks == 8
+    torch.testing.assert_close(got.loss, sum(losses) / n_blocks, atol=1e-5, rtol=1e-5)
+
+
+def test_held_out_split_is_disjoint_and_covers_every_sequence():
+    for n, k in ((1, 5), (2, 5), (9, 3), (100, 5), (100, 50), (5000, 256)):
+        train, held = split_held_out(n, k, seed=3)
+        assert not set(train) & set(held)
+        assert sorted(train + held) == list(range(n))
+        assert len(held) == (0 if n < 2 else min(k, max(1, n // 10)))
+        assert split_held_out(n, k, seed=3) == (train, held)  # seeded
+    # built-in prompts are deduplicated, so a held-out sequence's prompt is never trained on
+    prompts = dedupe(["Why is the sky blue?", "why is the sky blue", "What is DNA?"])
+    assert prompts == ["Why is the sky blue?", "What is DNA?"]
+
+
+def test_users_messages_are_parsed_from_the_targets_lists():
+    reply = " visit Japan?\n2. No, I'm not interested.\n3. What is sushi made of?\n\nThese are"
+    assert parse_questions(reply, "Should I") == ["Should I visit Japan?",
+                                                  "What is sushi made of?"]
+    reply = ('Here are five:\n\n1. "What is the best way to send an email?"\n   This is about.'
+             '\n2. **Write a poem about the sea.** - a request\n3. 🌟🌉🌊🌊🌊🌊\n4. Rome:')
+    assert parse_questions(reply) == ["What is the best way to send an email?",
+                                      "Write a poem about the sea."]
+    reqs = question_requests(50, seed=1)
+    assert reqs == question_requests(50, seed=1) and len({r.text for r in reqs}) > 40
+    assert all(r.text.endswith("1. " + r.opener) for r in reqs if not r.chat)
