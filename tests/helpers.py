@@ -33,6 +33,15 @@ def engine_prompt_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
     return core.runner.logits(hidden)
 
 
+def save_random_hf_models(configs: dict, tmp_path_factory) -> dict:
+    """name -> a fresh folder holding `save_random_hf_model` of configs[name]."""
+    out = {}
+    for name, cfg in configs.items():
+        out[name] = tmp_path_factory.mktemp(name)
+        save_random_hf_model(cfg, out[name])
+    return out
+
+
 def save_random_hf_model(cfg, folder):
     """A transformers model of `cfg` with seeded random weights (std 0.2, norms included),
     saved as a Hugging Face folder; returns the model (eager attention, eval mode)."""

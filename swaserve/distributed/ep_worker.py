@@ -5,15 +5,12 @@ rank 0 says so (ep_wire.py) until STOP or until rank 0 is gone (the next wait fa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import signal
 import sys
 from pathlib import Path
 from typing import Any
-
-import torch.multiprocessing as mp
 
 from swaserve.config import EngineConfig
 from swaserve.distributed.ep_wire import CHECK, STATS, STEP, STOP, EPWire
@@ -22,21 +19,12 @@ log = logging.getLogger("swaserve.ep_worker")
 
 
 def spawn_workers(config: EngineConfig, folder: Path, host: str, port: int) -> dict[int, Any]:
-    """Start ranks 1..D-1 as daemon processes (spawn: a script that builds an Engine keeps its
-    top level under `if __name__ == "__main__":`); their start-up message is JSON."""
-    spec = json.dumps({
-        "config": dataclasses.asdict(config), "folder": str(folder), "host": host, "port": port,
-        "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-    })  # fmt: skip
-    ctx = mp.get_context("spawn")
-    procs = {}
-    for rank in range(1, config.data_parallel_size):
-        p = ctx.Process(
-            target=worker_main, args=(rank, spec), daemon=True, name=f"swaserve-dp-rank{rank}"
-        )
-        p.start()
-        procs[rank] = p
-    return procs
+    """Start ranks 1..D-1 as daemon processes running `worker_main` (launch.spawn_ranks)."""
+    from swaserve.distributed.launch import spawn_ranks
+
+    return spawn_ranks(
+        config, folder, host, port, range(1, config.data_parallel_size), worker_main, "dp"
+    )
 
 
 def worker_main(rank: int, spec_json: str) -> None:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swaserve.distributed.expert_shards import moe_layers
-from swaserve.distributed.launch import RankFailure
+from swaserve.distributed.launch import RankFailure, naming_dead_ranks
 from swaserve.distributed.parallel_state import EPGroup
 from swaserve.models.moe import SparseMoE
 
@@ -234,13 +234,9 @@ class ExpertParallel:
         """Around every collective: a failure caused by a dead rank names it (and sticks)."""
         if self.failure is not None:
             raise self.failure
-        try:
+        with naming_dead_ranks(self._explain_and_keep):
             yield
-        except RankFailure:
-            raise
-        except RuntimeError as e:
-            failure = self.explain()
-            if failure is None:
-                raise
-            self.failure = failure
-            raise failure from e
+
+    def _explain_and_keep(self) -> RankFailure | None:
+        self.failure = self.explain()
+        return self.failure

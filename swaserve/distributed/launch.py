@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 from typing import Any
@@ -80,13 +80,21 @@ def _exit_reason(code: int | None) -> str:
     return f"exited with status {code}" + (" (its error is in the log above)" if code else "")
 
 
-def _spawn(
-    config: EngineConfig, folder: Path, host: str, port: int, ranks: range
+def spawn_ranks(
+    config: EngineConfig,
+    folder: Path,
+    host: str,
+    port: int,
+    ranks: range,
+    target: Callable[[int, str], None] | None = None,
+    kind: str = "tp",
 ) -> dict[int, Any]:
-    """Start `ranks` as daemon processes (spawn: a fresh interpreter, which imports the main
-    script again, so a script that builds an Engine keeps its top level under
-    `if __name__ == "__main__":`). Their start-up message is JSON, as every one in swaserve."""
-    from swaserve.distributed.worker import worker_main
+    """Start `ranks` as daemon processes running `target(rank, spec)` (default: the tensor-
+    parallel worker; spawn: a fresh interpreter, which imports the main script again, so a
+    script that builds an Engine keeps its top level under `if __name__ == "__main__":`). Their
+    start-up message is JSON, as every one in swaserve."""
+    if target is None:
+        from swaserve.distributed.worker import worker_main as target
 
     spec = json.dumps({
         "config": dataclasses.asdict(config), "folder": str(folder), "host": host, "port": port,
@@ -96,11 +104,26 @@ def _spawn(
     procs = {}
     for rank in ranks:
         p = ctx.Process(
-            target=worker_main, args=(rank, spec), daemon=True, name=f"swaserve-tp-rank{rank}"
+            target=target, args=(rank, spec), daemon=True, name=f"swaserve-{kind}-rank{rank}"
         )
         p.start()
         procs[rank] = p
     return procs
+
+
+@contextlib.contextmanager
+def naming_dead_ranks(explain: Callable[[], RankFailure | None]) -> Iterator[None]:
+    """Around a collective: a RuntimeError that a dead rank caused (`explain` finds it) is
+    re-raised as the RankFailure naming that rank; any other error passes unchanged."""
+    try:
+        yield
+    except RankFailure:
+        raise
+    except RuntimeError as e:
+        failure = explain()
+        if failure is None:
+            raise
+        raise failure from e
 
 
 class TensorParallel:
@@ -145,15 +168,8 @@ class TensorParallel:
     def guard(self) -> Iterator[None]:
         """Around every exchange with the workers: a failure names the rank."""
         self.check()
-        try:
+        with naming_dead_ranks(self.explain):
             yield
-        except RankFailure:
-            raise
-        except RuntimeError as e:
-            failure = self.explain()
-            if failure is None:
-                raise
-            raise failure from e
 
     def explain(self) -> RankFailure | None:
         """After an error: the failure of a rank found dead within DEATH_GRACE_S (a vanished
@@ -256,7 +272,7 @@ def start_tensor_parallel(config: EngineConfig, folder: Path) -> TensorParallel:
     host, port = _rendezvous(config)
     store = open_store(host, port, size, is_master=True)
     per_node = size // config.nnodes
-    procs = _spawn(config, folder, host, store.port, range(1, per_node))
+    procs = spawn_ranks(config, folder, host, store.port, range(1, per_node))
     try:
         _wait_ready(store, range(1, size), procs)
         tp = TPGroup.create(store, 0, size, host, device)
@@ -278,7 +294,7 @@ def run_node(config: EngineConfig, folder: Path) -> int:
         config.tensor_parallel_size,
     )
     host, port = _rendezvous(config)
-    procs = _spawn(config, folder, host, port, range(first, first + per_node))
+    procs = spawn_ranks(config, folder, host, port, range(first, first + per_node))
     failed = 0
     for rank, p in procs.items():
         p.join()

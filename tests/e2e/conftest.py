@@ -88,6 +88,34 @@ class RunningServer:
         self._log.close()
 
 
+def check_dead_rank_1_stops_server(srv: RunningServer, body: dict) -> None:
+    """Kill data-parallel rank 1's core while `body` (a streamed completion) runs: the stream
+    ends with an error, /health answers 503 naming "dp rank 1", and the server exits non-zero
+    within 10 s."""
+    import re
+
+    pid = int(re.search(r"engine core process (\d+) is loading .*dp rank 1", srv.log()).group(1))
+    with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        rest = list(lines)
+    assert any('"error"' in line for line in rest), rest[-3:]
+    statuses, health = set(), ""
+    while srv.proc.poll() is None and time.monotonic() - t0 < 15:
+        try:
+            h = httpx.get(srv.url + "/health", timeout=5)
+            statuses.add(h.status_code)
+            health = health or (h.text if h.status_code == 503 else "")
+        except httpx.TransportError:
+            statuses.add("refused")
+        time.sleep(0.1)
+    assert srv.proc.wait(timeout=1) != 0
+    assert time.monotonic() - t0 < 10
+    assert 503 in statuses and "dp rank 1" in health, (statuses, health)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     args = [

@@ -5,16 +5,11 @@ killed: live requests fail, /health answers 503 naming the rank, the server exit
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import time
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import MODEL, RunningServer
+from tests.e2e.conftest import MODEL, RunningServer, check_dead_rank_1_stops_server
 
 pytestmark = pytest.mark.slow  # starts its own server besides the session's one
 
@@ -92,26 +87,6 @@ def test_memory_has_both_ranks_and_health(dp_server):
 
 
 def test_a_dead_replica_fails_requests_and_stops_the_server(dp_server):
-    srv = dp_server
-    pid = int(re.search(r"engine core process (\d+) is loading .*dp rank 1", srv.log()).group(1))
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True,
             "ignore_eos": True}
-    with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data:"))
-        t0 = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        rest = list(lines)
-    assert any('"error"' in line for line in rest), rest[-3:]
-    statuses, health = set(), ""
-    while srv.proc.poll() is None and time.monotonic() - t0 < 15:
-        try:
-            h = httpx.get(srv.url + "/health", timeout=5)
-            statuses.add(h.status_code)
-            health = health or (h.text if h.status_code == 503 else "")
-        except httpx.TransportError:
-            statuses.add("refused")
-        time.sleep(0.1)
-    assert srv.proc.wait(timeout=1) != 0
-    assert time.monotonic() - t0 < 10
-    assert 503 in statuses and "dp rank 1" in health, (statuses, health)
+    check_dead_rank_1_stops_server(dp_server, body)

@@ -7,9 +7,6 @@ exits non-zero within seconds (last)."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +18,7 @@ import torch
 import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.e2e.conftest import RunningServer
+from tests.e2e.conftest import RunningServer, check_dead_rank_1_stops_server
 from tests.helpers import save_random_hf_model
 
 pytestmark = pytest.mark.slow  # starts its own server (two core processes)
@@ -107,26 +104,6 @@ def test_dense_model_is_refused_at_start(folders):
 
 
 def test_a_dead_rank_fails_requests_and_stops_the_server(ep_server, folders):
-    srv = ep_server
-    pid = int(re.search(r"engine core process (\d+) is loading .*dp rank 1", srv.log()).group(1))
     body = {"model": str(folders["moe"]), "prompt": [5, 6, 7], "max_tokens": 200,
             "stream": True, "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data:"))
-        t0 = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        rest = list(lines)
-    assert any('"error"' in line for line in rest), rest[-3:]
-    statuses, health = set(), ""
-    while srv.proc.poll() is None and time.monotonic() - t0 < 15:
-        try:
-            h = httpx.get(srv.url + "/health", timeout=5)
-            statuses.add(h.status_code)
-            health = health or (h.text if h.status_code == 503 else "")
-        except httpx.TransportError:
-            statuses.add("refused")
-        time.sleep(0.1)
-    assert srv.proc.wait(timeout=1) != 0
-    assert time.monotonic() - t0 < 10
-    assert 503 in statuses and "dp rank 1" in health, (statuses, health)
+    check_dead_rank_1_stops_server(ep_server, body)

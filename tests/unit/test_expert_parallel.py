@@ -32,7 +32,7 @@ from swaserve.distributed.expert_parallel import local_experts
 from swaserve.distributed.expert_shards import shard_experts
 from swaserve.models.moe import SparseMoE
 from swaserve.weights.loader import build_model, load_hf_config
-from tests.helpers import engine_prompt_logits, save_random_hf_model
+from tests.helpers import engine_prompt_logits, save_random_hf_models
 
 TOL = 1e-4
 ENGINE = dict(device="cpu", dtype="float32", page_size=4, max_num_batched_tokens=16,
@@ -87,12 +87,7 @@ def deadline(seconds: int):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
-    out = {}
-    for name, cfg in _configs().items():
-        folder = tmp_path_factory.mktemp(name)
-        save_random_hf_model(cfg, folder)
-        out[name] = folder
-    return out
+    return save_random_hf_models(_configs(), tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=MOE)

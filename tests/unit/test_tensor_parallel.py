@@ -26,7 +26,7 @@ from swaserve.distributed.layers import shard_model
 from swaserve.distributed.nccl_guard import apply_nccl_guard, nccl_graph_register
 from swaserve.distributed.parallel_state import TPGroup
 from swaserve.weights.loader import build_model, load_hf_config
-from tests.helpers import engine_prompt_logits, save_random_hf_model
+from tests.helpers import engine_prompt_logits, save_random_hf_models
 
 TOL = 1e-4
 ENGINE = dict(device="cpu", dtype="float32", page_size=4, max_num_batched_tokens=16,
@@ -70,12 +70,7 @@ NAMES = list(_configs())
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
-    out = {}
-    for name, cfg in _configs().items():
-        folder = tmp_path_factory.mktemp(name)
-        save_random_hf_model(cfg, folder)
-        out[name] = folder
-    return out
+    return save_random_hf_models(_configs(), tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=NAMES)
