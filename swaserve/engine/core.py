@@ -38,6 +38,7 @@ from swaserve.speculative.dflash_config import DFlashConfig, load_dflash_config
 from swaserve.speculative.dflash_model import load_dflash_drafter
 from swaserve.speculative.dflash_proposer import DFlashProposer
 from swaserve.speculative.metrics import SpecStats
+from swaserve.weights.builtin import ALIASES, builtin_drafter
 from swaserve.weights.loader import build_model, load_hf_config
 
 if TYPE_CHECKING:
@@ -293,20 +294,24 @@ class EngineCore:
         c = self.config
         if c.speculative_algorithm != "dflash":
             return None
-        if not c.speculative_draft_model:
+        shipped = builtin_drafter(c.model)
+        path = c.speculative_draft_model or (str(shipped) if shipped else None)
+        if path is None:
+            have = ", ".join(a for a in ALIASES if builtin_drafter(a)) or "none"
             raise ValueError(
                 "--speculative-algorithm dflash needs --speculative-draft-model PATH (a DFlash "
-                f"checkpoint folder); none ships for {c.model}"
+                f"checkpoint folder) for {c.model}; a drafter ships for the built-in {have}"
             )
+        self.draft_model_path = path
         if c.kv_cache_dtype != "auto":
             raise ValueError(
                 "--speculative-algorithm dflash with --kv-cache-dtype fp8_e4m3: not supported "
                 "yet (the drafter's layers have no calibrated scales)"
             )
-        cfg = load_dflash_config(c.speculative_draft_model, self.hf_config)
+        cfg = load_dflash_config(path, self.hf_config)
         if (cfg.num_kv_heads, cfg.head_dim) != (kv_heads, head_dim):
             raise ValueError(
-                f"{c.speculative_draft_model}: the drafter's K/V shape (num_key_value_heads "
+                f"{path}: the drafter's K/V shape (num_key_value_heads "
                 f"{cfg.num_kv_heads}, head_dim {cfg.head_dim}) differs from the target's "
                 f"({kv_heads}, {head_dim}); its layers share the target's KV pool, which needs "
                 "them equal"
@@ -316,9 +321,8 @@ class EngineCore:
     def _dflash_proposer(self) -> DFlashProposer | None:
         if self.dflash_config is None:
             return None
-        drafter = load_dflash_drafter(
-            self.config.speculative_draft_model, self.hf_config, self.device, self.dtype
-        )
+        drafter = load_dflash_drafter(self.draft_model_path, self.hf_config, self.device,
+                                      self.dtype)
         return DFlashProposer(drafter, self.model, self.layout,
                               int(self.hf_config.num_hidden_layers), self.config.page_size)
 

@@ -56,7 +56,9 @@ def plot_loss(
     `values`, loss) points, if any, on the same axes."""
     img = [bytearray(WHITE * WIDTH) for _ in range(HEIGHT)]
     heldout = heldout or []
-    every = list(values) + [v for _, v in heldout]
+    # the y range leaves out the first 1% of steps: the loss of an untrained drafter is many
+    # times its later values and would flatten the rest of the curve (its start is clipped)
+    every = list(values[len(values) // 100 :]) + [v for _, v in heldout]
     lo, hi = (min(every), max(every)) if every else (0.0, 1.0)
     if hi - lo < 1e-12:
         hi = lo + 1.0
@@ -79,6 +81,7 @@ def plot_loss(
         for x, y in pts if rgb == ORANGE else []:  # a small cross at each held-out point
             _line(img, x - 2, y, x + 2, y, rgb)
             _line(img, x, y - 2, x, y + 2, rgb)
-    text = {"Title": title, "Comment": f"steps 0..{len(values) - 1}, y {lo:.4g}..{hi:.4g}"
+    text = {"Title": title, "Comment": f"steps 0..{len(values) - 1}, y {lo:.4g}..{hi:.4g} "
+            "(the first 1% of steps may lie above it)"
             + (" (orange: held-out)" if heldout else "")}
     Path(path).write_bytes(encode_png(img, text))

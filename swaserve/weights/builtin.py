@@ -47,6 +47,16 @@ ALIASES: dict[str, Callable[[], Path]] = {
 }
 
 
+# DFlash drafters shipped in the package, one folder per built-in alias that has one.
+DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+
+
+def builtin_drafter(model: str) -> Path | None:
+    """The DFlash drafter folder shipped for built-in alias `model`, or None."""
+    path = DRAFTERS / model
+    return path if model in ALIASES and (path / "config.json").is_file() else None
+
+
 def builtin_gguf(alias: str) -> Path:
     """The GGUF file behind a built-in alias (ValueError if its package is missing)."""
     if alias not in ALIASES:
