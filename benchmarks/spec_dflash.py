@@ -1,7 +1,9 @@
 """DFlash on a real model: acceptance length and speed against speculation off, greedy, on
 chat prompts the drafter was not trained on (train-drafter's built-in prompts are "task about
-topic"; these are other questions), at concurrency 1 (ms/token) and at higher concurrency
-(output tok/s). The n-gram drafter on the same prompts is the baseline drafter.
+topic" and questions the target wrote; these are other questions), at concurrency 1
+(ms/token) and at higher concurrency (output tok/s). The n-gram drafter on the same prompts is
+the baseline drafter. Each drafter runs twice: as served by default (the gate drafts only at
+batch sizes where it measured that drafting pays) and with every decode step drafting ("-all").
 
 Correctness first: speculative greedy tokens are compared with speculation off (equal in
 float32; in bf16 a near-tie may flip, then the count of equal leading tokens is printed).
@@ -89,33 +91,39 @@ def main() -> None:
         common["kv_cache_gb"] = 8
     else:
         common["kv_cache_gb"] = 1
-    engines = {
-        "off": Engine(model=args.model, **common),
-        "dflash": Engine(model=args.model, speculative_algorithm="dflash",
-                         speculative_draft_model=args.drafter, **common),
-        "ngram": Engine(model=args.model, speculative_algorithm="ngram", **common),
-    }
+    # "-all": --disable-adaptive-speculation (every decode step drafts); the others measure
+    # per batch size whether drafting pays (speculative/gate.py)
+    spec = {"dflash": dict(speculative_algorithm="dflash", speculative_draft_model=args.drafter),
+            "ngram": dict(speculative_algorithm="ngram")}
+    engines = {"off": Engine(model=args.model, **common)}
+    for name, kw in spec.items():
+        engines[name] = Engine(model=args.model, **kw, **common)
+        engines[f"{name}-all"] = Engine(model=args.model, **kw, **common,
+                                        disable_adaptive_speculation=True)
     rows, record = [], {"model": args.model, "drafter": args.drafter, "runs": []}
     for c in args.concurrency:
         solo = c == 1
         prompts = chat_ids(engines["off"], args.solo_prompts if solo else c)
         base = None
         for name, eng in engines.items():
-            run(eng, prompts[:1], 8)  # warm: graphs, compile
-            dt, toks, spec = run(eng, prompts, args.tokens, one_by_one=solo)
+            # warm: graphs, and the gate's measurements at these batch sizes (a server learns
+            # them once; this run is short)
+            run(eng, prompts, args.tokens, one_by_one=solo)
+            dt, toks, spec_ct = run(eng, prompts, args.tokens, one_by_one=solo)
             n_tok = sum(len(t) for t in toks)
             if base is None:
-                base = (dt, toks)
+                base = (n_tok / dt, toks)
             equal = sum(
                 next((i for i, (a, b) in enumerate(zip(t, w)) if a != b), len(t))
                 for t, w in zip(toks, base[1])
             ) / n_tok
-            v = spec["verify"]
-            accept = (spec["accepted"] + v) / v if v else None
+            v = spec_ct["verify"]
+            accept = (spec_ct["accepted"] + v) / v if v else None
             r = {"concurrency": c, "drafter": name, "seconds": dt,
                  "ms_per_token": dt / (n_tok if solo else max(map(len, toks))) * 1e3,
-                 "tokens": n_tok, "tok_s": n_tok / dt,
-                 "speedup": base[0] / dt, "accept_length": accept, "equal_leading": equal}
+                 "tokens": n_tok, "tok_s": n_tok / dt, "verify_steps": v,
+                 "speedup": n_tok / dt / base[0], "accept_length": accept,
+                 "equal_leading": equal}
             rows.append(r)
             record["runs"].append(r)
             print(r, flush=True)
@@ -125,12 +133,13 @@ def main() -> None:
             json.dump(record, f, indent=1)
     print(f"\n{args.model}, drafter {args.drafter}, greedy, at most {args.tokens} tokens per "
           f"request (to EOS); concurrency 1: {args.solo_prompts} prompts one by one")
-    print(f"{'conc':>5} {'drafter':>7} {'ms/tok':>8} {'tok/s':>8} {'speedup':>8} {'accept':>7} "
-          f"{'equal':>6}")
+    print(f"{'conc':>5} {'drafter':>10} {'ms/tok':>8} {'tok/s':>8} {'speedup':>8} {'accept':>7} "
+          f"{'verify':>7} {'equal':>6}")
     for r in rows:
         acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
-        print(f"{r['concurrency']:5d} {r['drafter']:>7} {r['ms_per_token']:8.2f} "
-              f"{r['tok_s']:8.0f} {r['speedup']:7.2f}x {acc:>7} {r['equal_leading']:6.0%}")
+        print(f"{r['concurrency']:5d} {r['drafter']:>10} {r['ms_per_token']:8.2f} "
+              f"{r['tok_s']:8.0f} {r['speedup']:7.2f}x {acc:>7} {r['verify_steps']:7d} "
+              f"{r['equal_leading']:6.0%}")
 
 
 if __name__ == "__main__":

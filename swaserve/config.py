@@ -64,6 +64,9 @@ class EngineConfig:
     speculative_num_draft_tokens: int | None = None
     speculative_ngram_min: int = 1  # ngram: shortest suffix to look up in the request's tokens
     speculative_ngram_max: int = 4  # ngram: longest suffix, tried first
+    # Every decode step drafts (otherwise a measured gate drafts only at batch sizes where it
+    # pays: speculative/gate.py; seeded sampling requests always draft).
+    disable_adaptive_speculation: bool = False
     # Tensor parallelism (docs/architecture.md, scale-out): one process per rank, rank 0 runs
     # the EngineCore; the others are spawned workers holding their shard of the weights and KV.
     tensor_parallel_size: int = 1
@@ -429,6 +432,12 @@ FLAGS: dict[str, FlagInfo] = {
         "speculative decoding", "ngram: shortest suffix of the request's tokens to look up"
     ),
     "speculative_ngram_max": FlagInfo("speculative decoding", "ngram: longest suffix, tried first"),
+    "disable_adaptive_speculation": FlagInfo(
+        "speculative decoding",
+        "draft at every decode step; by default the engine measures, per batch size, whether "
+        "drafting commits more tokens per second than plain decoding and drafts only where it "
+        "does (greedy and unseeded requests; seeded sampling requests always draft)",
+    ),
     # distributed
     "tensor_parallel_size": FlagInfo(
         "distributed",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -477,6 +478,7 @@ class EngineCore:
         """One step. Under expert parallelism every rank calls it the same number of times
         (with nothing to do too): each call makes the step's agreement (`_agree`)."""
         outputs: list[EngineCoreOutput] = []
+        t0 = time.perf_counter()
         if self._inflight is not None and self._num_history_requests:
             outputs += self._resolve()
         if self.spec is not None:
@@ -485,6 +487,8 @@ class EngineCore:
         if self.cache is not None:
             self.cache.move_pages()  # host loads/stores, then copy-on-write: before any forward
         outputs += [self._aborted(r) for r in batch.rejected]
+        measured = None if self.spec is None else self.spec.measured_tokens(
+            batch.requests, batch.num_new_tokens)
         launched = self._launch(batch) if self._agree(batch) else None
         if self.ep is not None:
             self.ep.end_step()
@@ -494,6 +498,8 @@ class EngineCore:
             outputs += self._resolve()
         if batch:
             self.scheduler.retire()
+        if measured is not None and launched is not None:  # speculation is synchronous
+            self.spec.record_step(batch.requests, measured, time.perf_counter() - t0)
         return outputs
 
     def _agree(self, batch: ScheduledBatch) -> bool:
@@ -536,7 +542,8 @@ class EngineCore:
             req.num_computed_tokens += n
         if not samplers:
             return _Launched(samplers, [], None, None, None, None)
-        if self.spec is not None:
+        # a step without drafts samples as plain decoding does (same tokens, less host work)
+        if self.spec is not None and any(r.draft_token_ids for r in samplers):
             verified = self.spec.sample(logits, samplers)
             return _Launched(samplers, [], None, None, None, None, verified)
         sampled = self.sampler(logits, [self._row(r) for r in samplers])
@@ -612,9 +619,10 @@ class EngineCore:
         for i, req in enumerate(launched.samplers):
             if req.status is RequestStatus.FINISHED:
                 continue  # finished or aborted while this step was in flight
-            outputs.append(
-                self._accept_token(req, launched.slots[i], tokens[i], lps[i] if lps else None)
-            )
+            out = self._accept_token(req, launched.slots[i], tokens[i], lps[i] if lps else None)
+            if self.spec is not None:  # a step without drafts: the counters so far, unchanged
+                out.spec = (req.spec or SpecStats()).to_dict()
+            outputs.append(out)
         return outputs
 
     def has_in_flight(self) -> bool:

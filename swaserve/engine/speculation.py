@@ -34,6 +34,7 @@ from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.sampler import Sampler, SamplingRow
 from swaserve.speculative.dflash_config import check_num_draft_tokens
 from swaserve.speculative.dflash_proposer import DFlashProposer
+from swaserve.speculative.gate import DraftGate
 from swaserve.speculative.metrics import SpecStats
 from swaserve.speculative.ngram import NgramDrafter
 from swaserve.speculative.verify import verify_drafts
@@ -75,6 +76,9 @@ class Speculation:
             raise ValueError(f"--speculative-algorithm {algo}: not available in this build")
         # a verify chunk is at most the token budget
         self.k = min(self.k, config.max_num_batched_tokens - 1)
+        self.gate = None if config.disable_adaptive_speculation else DraftGate()
+        self.step_drafts = True  # this step's choice, and its requests in decode (propose)
+        self.step_decoding = 0
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.memory, self.kv = memory, kv
@@ -83,12 +87,21 @@ class Speculation:
     # ---- before the step ------------------------------------------------------------------
 
     def propose(self, running: list[Request]) -> None:
-        """Drafts for every running request in decode (the rest get none)."""
+        """Drafts for the running requests in decode (the rest get none): all of them, or,
+        when the gate measures that drafting loses at this batch size, only seeded sampling
+        requests (whose tokens must not depend on the batch: speculative/gate.py)."""
         arrays = {}
         batch: list[tuple[Request, int]] = []  # DFlash: drafted together below
+        decoding = [r for r in running
+                    if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids]
         for req in running:
             req.draft_token_ids = []
-            if req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids:
+        self.step_drafts = self.gate is None or self.gate.choose(len(decoding))
+        self.step_decoding = len(decoding)
+        for req in decoding:
+            if not self.step_drafts and (req.generator is None or req.params.greedy):
+                if req.request_id in self._arrays:  # keep the n-gram lookup's token array
+                    arrays[req.request_id] = self._arrays[req.request_id]
                 continue
             k = min(
                 self.k,
@@ -107,6 +120,25 @@ class Speculation:
             reqs, ks = [r for r, _ in batch], [k for _, k in batch]
             for req, drafts in zip(reqs, self.dflash.propose(reqs, ks, self.memory, self.kv)):
                 req.draft_token_ids = drafts
+
+    # ---- the gate's measurements (speculative/gate.py) -------------------------------------
+
+    def measured_tokens(self, requests: list[Request], num_new_tokens: list[int]) -> int | None:
+        """Before a step's launch: its requests' output tokens so far, if the gate measures
+        this step (every request in decode, and drafting as the gate chose); else None."""
+        if self.gate is None or not requests:
+            return None
+        for req, n in zip(requests, num_new_tokens):
+            if req.num_computed_tokens != req.num_tokens - 1 or n != 1 + len(req.draft_token_ids):
+                return None
+            if req.draft_token_ids and not self.step_drafts:
+                return None
+        return sum(len(r.output_token_ids) for r in requests)
+
+    def record_step(self, requests: list[Request], before: int, seconds: float) -> None:
+        """After a measured step: its committed tokens and wall time to the gate."""
+        tokens = sum(len(r.output_token_ids) for r in requests) - before
+        self.gate.record(len(requests), self.step_drafts, tokens, seconds)
 
     def _tokens_of(self, req: Request) -> tuple[np.ndarray, int]:
         """The request's committed tokens as an int64 array, extended in place as outputs are

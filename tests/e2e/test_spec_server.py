@@ -36,7 +36,8 @@ def spec_server(tiny_model_folder, tmp_path_factory):
     from tests.e2e.conftest import RunningServer
 
     args = ["--model", str(tiny_model_folder), "--device", "cpu", "--kv-cache-gb", "0.05",
-            "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "3"]
+            "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "3",
+            "--disable-adaptive-speculation"]  # every step drafts: the counters are checked
     srv = RunningServer(args, tmp_path_factory.mktemp("spec") / "server.log")
     try:
         srv.wait_ready()

@@ -29,7 +29,7 @@ def test_dflash_with_cuda_graphs_equals_reference(models):  # noqa: F811
     off = Engine(model=target_dir, **kw)
     want = off.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     on = Engine(model=target_dir, speculative_algorithm="dflash",
-                speculative_draft_model=drafter_dir, **kw)
+                speculative_draft_model=drafter_dir, disable_adaptive_speculation=True, **kw)
     runner = on.core.runner
     assert runner.graphs is not None and runner.piecewise is not None
     assert runner.verify_graphs is not None

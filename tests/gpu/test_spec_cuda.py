@@ -35,7 +35,7 @@ def folder(tmp_path_factory):
 
 def _engine(folder: str, **kw) -> Engine:
     return Engine(model=folder, dtype="float32", page_size=16, kv_cache_gb=0.05,
-                  cuda_graph_max_bs=8, **kw)
+                  cuda_graph_max_bs=8, disable_adaptive_speculation=True, **kw)
 
 
 def test_greedy_equal_to_speculation_off_on_cuda(folder):

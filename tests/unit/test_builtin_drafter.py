@@ -28,7 +28,7 @@ def test_shipped_drafter_is_small_and_complete():
 @pytest.fixture(scope="module")
 def dflash_engine():
     eng = Engine(model="smollm2-135m-instruct", device="cpu", kv_cache_gb=1,
-                 speculative_algorithm="dflash")
+                 speculative_algorithm="dflash", disable_adaptive_speculation=True)
     step = eng.core.step
 
     def checked_step():

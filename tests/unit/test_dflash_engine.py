@@ -38,7 +38,9 @@ def models(request, tmp_path_factory):
 
 def _engine(target: str, drafter: str | None, **kw) -> Engine:
     if drafter is not None:
-        kw.update(speculative_algorithm="dflash", speculative_draft_model=drafter)
+        # every step drafts: the tests compare each draft (the gate: test_spec_gate.py)
+        kw.update(speculative_algorithm="dflash", speculative_draft_model=drafter,
+                  disable_adaptive_speculation=True)
     eng = Engine(model=target, device="cpu", dtype="float32", page_size=PAGE, **kw)
     step = eng.core.step
 

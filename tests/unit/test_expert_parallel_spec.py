@@ -17,7 +17,9 @@ from swaserve import Engine, SamplingParams
 from tests.helpers import save_random_hf_model
 from tests.unit.test_expert_parallel import ENGINE, EP, _configs, deadline
 
-SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+# every step drafts: the tests count verify steps (the gate has its own tests)
+SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=3,
+            disable_adaptive_speculation=True)
 # repetitive prompts: the n-gram drafter finds their suffixes again
 PROMPTS = [[3, 4, 5, 6, 7] * 4, [9, 8, 7] * 5, [20, 21, 22, 23] * 3 + [20, 21], [40, 41] * 7]
 

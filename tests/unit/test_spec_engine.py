@@ -38,6 +38,8 @@ def _engine(folder: str, spec: bool, **kw) -> Engine:
     if spec:
         kw.setdefault("speculative_algorithm", "ngram")
         kw.setdefault("speculative_num_draft_tokens", 3)
+        # every step drafts: the tests count acceptances (the gate: test_spec_gate.py)
+        kw.setdefault("disable_adaptive_speculation", True)
     eng = Engine(model=folder, device="cpu", page_size=PAGE, **kw)
     step = eng.core.step
 

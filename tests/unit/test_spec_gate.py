@@ -1,0 +1,120 @@
+"""The speculation gate (speculative/gate.py): per batch size, draft only where drafting's
+measured tokens per second beat plain decoding's, re-measuring the other way now and then;
+and in the engine, turning drafting off for a step never changes greedy tokens, while seeded
+sampling requests keep drafting (DESIGN §9.1: their tokens must not depend on the batch)."""
+
+from __future__ import annotations
+
+import random
+
+from swaserve import Engine, SamplingParams
+from swaserve.speculative import gate as gate_mod
+from swaserve.speculative.gate import DraftGate, bucket_of
+from tests.unit.test_spec_engine import GREEDY, PAGE, _repetitive, folder  # noqa: F401
+
+
+def _drive(gate: DraftGate, steps: int, batch: int, on: tuple[float, float],
+           off: tuple[float, float]) -> int:
+    """`steps` steps at `batch`, drafting costing on = (tokens per request, seconds) a step
+    and plain decoding off; returns how many steps drafted."""
+    drafted = 0
+    for _ in range(steps):
+        d = gate.choose(batch)
+        tokens, seconds = on if d else off
+        gate.record(batch, d, round(tokens * batch), seconds)
+        drafted += d
+    return drafted
+
+
+def test_buckets_grow_by_sqrt_two():
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 6, 8, 11, 16)] == [0, 2, 3, 4, 5, 6, 7, 8]
+    assert bucket_of(5) == bucket_of(6) and bucket_of(128) != bucket_of(64)
+
+
+def test_warm_up_measures_both_ways_then_keeps_the_winner():
+    g = DraftGate()
+    choices = []
+    for _ in range(2 * gate_mod.WARMUP):
+        d = g.choose(1)
+        choices.append(d)
+        g.record(1, d, 3 if d else 1, 0.002 if d else 0.001)  # drafting: 1.5x the rate
+    assert choices == [True] * gate_mod.WARMUP + [False] * gate_mod.WARMUP
+    assert _drive(g, 200, 1, (3, 0.002), (1, 0.001)) >= 195  # explores off a few times
+
+
+def test_a_losing_drafter_costs_little_and_a_change_is_noticed():
+    g = DraftGate()
+    # under load drafting commits 1.6 tokens a request in 4x the time: it loses 2.5x
+    steps = 4000
+    drafted = _drive(g, steps, 128, (1.6, 0.012), (1.0, 0.003))
+    assert drafted <= gate_mod.WARMUP + 0.01 * steps  # exploration only
+    assert g.stats()[128]["drafts"] is False and g.stats()[128]["interval"] == gate_mod.EXPLORE_MAX
+    # the same drafter wins at batch 1, in its own bucket
+    assert _drive(g, 100, 1, (1.6, 0.0012), (1.0, 0.0011)) >= 90
+    # traffic turns easy (acceptance 4 at 128): within one exploration interval it drafts
+    late = _drive(g, gate_mod.EXPLORE_MAX + 50, 128, (4.0, 0.008), (1.0, 0.003))
+    assert late >= 40 and g.stats()[128]["drafts"] is True
+
+
+def _engine(folder: str, **kw) -> Engine:  # noqa: F811
+    eng = Engine(model=folder, device="cpu", page_size=PAGE, kv_cache_gb=0.01,
+                 speculative_algorithm="ngram", speculative_num_draft_tokens=3, **kw)
+    step = eng.core.step
+
+    def checked_step():
+        outs = step()
+        eng.core.memory.check_integrity()
+        return outs
+
+    eng.core.step = checked_step
+    return eng
+
+
+class _Never(DraftGate):
+    """A gate whose measurements always say drafting loses."""
+
+    def choose(self, batch_size: int) -> bool:
+        return False
+
+
+def test_engine_gate_off_keeps_greedy_tokens_and_seeded_requests_draft(folder):  # noqa: F811
+    rng = random.Random(7)
+    prompts = _repetitive(rng, 4, 4, 6)
+    off = Engine(model=folder, device="cpu", page_size=PAGE, kv_cache_gb=0.01)
+    want = off.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    eng = _engine(folder)
+    eng.core.spec.gate = _Never()
+    got = eng.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        lg, lw = g.outputs[0].logprobs, w.outputs[0].logprobs
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(lg, lw)) < 1e-5
+        assert g.spec_decoding["spec_verify_ct"] == 0  # greedy: never drafted
+        assert g.spec_decoding["spec_accept_length"] is None
+    # seeded sampling requests draft whatever the gate says, and their tokens are those of
+    # an engine that drafts at every step, alone and in a batch with greedy requests
+    seeded = [SamplingParams(max_tokens=20, temperature=0.8, seed=30 + i, ignore_eos=True)
+              for i in range(2)]
+    mixed = eng.generate(prompt_token_ids=prompts, use_tqdm=False,
+                         sampling_params=seeded + [GREEDY, GREEDY])
+    always = _engine(folder, disable_adaptive_speculation=True)
+    for i in range(2):
+        alone = always.generate(prompt_token_ids=[prompts[i]], sampling_params=seeded[i],
+                                use_tqdm=False)[0]
+        assert mixed[i].token_ids == alone.token_ids
+        assert mixed[i].spec_decoding["spec_verify_ct"] > 0
+    assert [o.token_ids for o in mixed[2:]] == [w.token_ids for w in want[2:]]
+    assert all(o.spec_decoding["spec_verify_ct"] == 0 for o in mixed[2:])
+
+
+def test_engine_gate_measures_real_steps(folder):  # noqa: F811
+    rng = random.Random(8)
+    prompts = _repetitive(rng, 3, 4, 6)
+    eng = _engine(folder)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    eng.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    stats = eng.core.spec.gate.stats()
+    assert stats[3]["on_samples"] >= gate_mod.WARMUP  # 3 requests decoding together
+    assert stats[3]["off_samples"] >= gate_mod.WARMUP
+    assert stats[3]["on_seconds"] > 0 and stats[3]["off_seconds"] > 0 and stats[3]["yield"] >= 1
+    eng.core.memory.check_integrity()
