@@ -47,6 +47,10 @@ if TYPE_CHECKING:
     from swaserve.distributed.parallel_state import TPGroup
 
 log = logging.getLogger(__name__)
+
+# DFlash drafter graphs up to this many requests: larger batches rarely draft (the gate turns
+# drafting off where it does not pay) and draft eagerly when they do.
+DRAFT_GRAPH_MAX_BS = 64
 _PROMPT_LOGPROB_ROWS = 256  # rows of [rows, vocab] logits computed at a time
 PIECEWISE_DEFAULT_MAX_TOKENS = 2048  # see EngineCore._piecewise_max_tokens
 
@@ -198,7 +202,7 @@ class EngineCore:
                 self.cache.mover.mirror = self.runner.mirror_copies
         # --seed makes unseeded sampling reproducible run to run (seeded requests use their own)
         self.sampler = Sampler(eos_token_ids=sorted(self.eos_token_ids), seed=config.seed)
-        # Speculative decoding (off by default); it needs the overlap schedule off (see
+        # Speculative decoding (off by default); steps that draft run without overlap (see
         # engine/speculation.py).
         self.spec = None
         if config.speculative_algorithm:
@@ -207,7 +211,7 @@ class EngineCore:
         if self.ep is not None:
             self._start_decode_workspace()
         # A PD prefill instance reads a sample's generator right after its one draw: no overlap.
-        self.overlap = (not config.disable_overlap_schedule and self.spec is None
+        self.overlap = (not config.disable_overlap_schedule
                         and config.disaggregation_mode != "prefill")
         if self.dflash_config is not None:  # every path hands the drafter these outputs
             self.runner.keep = self.dflash_config.target_layer_ids
@@ -374,9 +378,10 @@ class EngineCore:
         hf = self.hf_config
         shape = (hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf))
         keep = self.runner.keep
+        after = self.spec.dflash.store_context_in_graph if self.dflash_config else None
         graphs = DecodeGraphs(
             self.model, backend, self.kv, self.config.cuda_graph_max_bs, self.max_model_len, shape,
-            keep_layers=keep,
+            keep_layers=keep, after=after,
         )
         graphs.capture()
         self.runner.graphs = graphs
@@ -390,10 +395,13 @@ class EngineCore:
         if self.spec is not None and self.spec.k > 0:
             verify = DecodeGraphs(
                 self.model, backend, self.kv, self.config.cuda_graph_max_bs, self.max_model_len,
-                shape, tokens_per_request=self.spec.k + 1, keep_layers=keep,
+                shape, tokens_per_request=self.spec.k + 1, keep_layers=keep, after=after,
             )
             verify.capture()
             self.runner.verify_graphs = verify
+        if self.dflash_config is not None:
+            self.spec.dflash.capture_graphs(min(self.config.cuda_graph_max_bs, DRAFT_GRAPH_MAX_BS),
+                                            self.max_model_len, self.kv)
 
     def _piecewise_max_tokens(self) -> int:
         """Tokens of the largest step with piecewise graphs (0: none), at most the token
@@ -479,7 +487,8 @@ class EngineCore:
         (with nothing to do too): each call makes the step's agreement (`_agree`)."""
         outputs: list[EngineCoreOutput] = []
         t0 = time.perf_counter()
-        if self._inflight is not None and self._num_history_requests:
+        drafting = self.spec is not None and self.spec.decide(self.scheduler.running)
+        if self._inflight is not None and (self._num_history_requests or drafting):
             outputs += self._resolve()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
@@ -494,11 +503,12 @@ class EngineCore:
             self.ep.end_step()
         outputs += self._resolve()
         self._inflight = launched
-        if launched is not None and not self.overlap:
-            outputs += self._resolve()
+        if launched is not None and (not self.overlap or launched.verified is not None):
+            outputs += self._resolve()  # a verify step is read back at once (speculation.py)
         if batch:
             self.scheduler.retire()
-        if measured is not None and launched is not None:  # speculation is synchronous
+        if measured is not None and launched is not None:
+            # with overlap the call's wall time is the pipeline's time per step
             self.spec.record_step(batch.requests, measured, time.perf_counter() - t0)
         return outputs
 
@@ -532,7 +542,8 @@ class EngineCore:
                 idx = torch.tensor(rows).to(self.device, non_blocking=True)
                 logits = self.runner.logits(hidden[idx])
             self._prompt_logprobs(batch, hidden)
-        if self.runner.keep:  # DFlash: the drafter's context K/V of the tokens just computed
+        # DFlash: the drafter's context K/V of the tokens just computed (a graph stored them)
+        if self.runner.keep and not self.runner.context_stored:
             self.spec.dflash.store_context(
                 [r.num_computed_tokens for r in batch.requests], list(batch.num_new_tokens),
                 [self.memory.page_table(r.request_id) for r in batch.requests],

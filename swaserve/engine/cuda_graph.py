@@ -21,7 +21,7 @@ import contextlib
 import gc
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -71,6 +71,9 @@ class DecodeGraphs:
         spec_shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim)
         tokens_per_request: int = 1,
         keep_layers: tuple[int, ...] = (),  # layer outputs captured too (DFlash), in order
+        # run after the model inside the graph with (batch, kept outputs): DFlash stores its
+        # drafter's context K/V there (padding rows have slot -1: stored nowhere)
+        after: Callable[[ForwardBatch, torch.Tensor], None] | None = None,
     ) -> None:
         self.model, self.backend, self.kv = model, backend, kv
         dev = backend.device
@@ -104,6 +107,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.keep_layers = keep_layers
+        self.after = after
         self.kept: dict[int, torch.Tensor] = {}  # bucket -> [bs * q, len(keep) * hidden]
         self.last_bucket: int | None = None
         self.pool = None
@@ -137,13 +141,15 @@ class DecodeGraphs:
                 fb = self._batch(bs)
                 for _ in range(2):  # warm up: Triton compiles, allocator settles
                     self.model.compute_logits(self.model(fb))
+                    if self.after is not None and self.keep_layers:
+                        self.after(fb, self._kept(fb))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     out = self.model.compute_logits(self.model(fb)).float()
                     if self.keep_layers:
-                        self.kept[bs] = torch.cat(
-                            [fb.layer_outputs[i] for i in self.keep_layers], dim=-1
-                        )
+                        self.kept[bs] = self._kept(fb)
+                        if self.after is not None:
+                            self.after(fb, self.kept[bs])
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, out
@@ -151,6 +157,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         what = "decode" if self.q == 1 else f"verify ({self.q} tokens per request)"
         log.info("captured %s CUDA graphs for batch sizes %s", what, self.buckets)
+
+    def _kept(self, fb: ForwardBatch) -> torch.Tensor:
+        return torch.cat([fb.layer_outputs[i] for i in self.keep_layers], dim=-1)
 
     def bucket(self, n: int) -> int | None:
         for bs in self.buckets:

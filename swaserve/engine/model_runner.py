@@ -28,12 +28,15 @@ class ModelRunner:
         # those outputs of the last step, concatenated: [its tokens, len(keep) * hidden].
         self.keep: tuple[int, ...] = ()
         self.kept: torch.Tensor | None = None
+        # whether the last step's graphs also stored DFlash's context K/V (DecodeGraphs.after)
+        self.context_stored = False
 
     def decode_logits(
         self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None
     ) -> torch.Tensor | None:
         """Logits of a pure decode step through a captured CUDA graph, or None when the step
         does not qualify (graphs off, a prefill chunk in the batch, or too many requests)."""
+        self.context_stored = False
         g = self.graphs
         if g is None or len(batch) > g.max_bs or any(n != 1 for n in batch.num_new_tokens):
             return None
@@ -48,6 +51,7 @@ class ModelRunner:
         )
         if self.keep:
             self.kept = g.kept_rows([1] * len(reqs))
+            self.context_stored = g.after is not None
         return logits
 
     def verify_logits(self, batch: ScheduledBatch, memory: MemoryManager) -> torch.Tensor | None:
@@ -55,6 +59,7 @@ class ModelRunner:
         order ([sum(K_r + 1), vocab]), through a captured graph of `q` tokens per request; None
         when the step does not qualify (a prefill chunk in it, a chunk longer than q, too many
         requests)."""
+        self.context_stored = False
         g = self.verify_graphs
         if g is None or len(batch) > g.max_bs:
             return None
@@ -70,6 +75,7 @@ class ModelRunner:
         )
         if self.keep:
             self.kept = g.kept_rows(list(ns))
+            self.context_stored = g.after is not None
         if all(n == g.q for n in ns):
             return logits.view(-1, logits.shape[-1])
         return torch.cat([logits[i, :n] for i, n in enumerate(ns)])

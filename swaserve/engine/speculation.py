@@ -15,8 +15,11 @@ Draft length. K_r = min(K, the step's token budget - 1, max_tokens - outputs - 1
 left - 1): a function of the request alone, so a seeded request's draws never depend on
 the batch (the scheduler runs its whole chunk or waits).
 
-The overlap schedule is off with speculation: the next step's chunk depends on how many drafts
-this one accepted, known only once its tokens are back on the host.
+The overlap schedule is off for steps that draft: the next step's chunk depends on how many
+drafts this one accepted, known only once its tokens are back on the host, and a drafter needs
+the last token's value. Steps where no request drafts (the gate turned drafting off at this
+batch size, speculative/gate.py) overlap like plain decoding; a step that will draft first
+reads the one in flight back.
 """
 
 from __future__ import annotations
@@ -77,8 +80,7 @@ class Speculation:
         # a verify chunk is at most the token budget
         self.k = min(self.k, config.max_num_batched_tokens - 1)
         self.gate = None if config.disable_adaptive_speculation else DraftGate()
-        self.step_drafts = True  # this step's choice, and its requests in decode (propose)
-        self.step_decoding = 0
+        self.step_drafts = True  # this step's choice (decide)
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.memory, self.kv = memory, kv
@@ -86,20 +88,25 @@ class Speculation:
 
     # ---- before the step ------------------------------------------------------------------
 
+    def decide(self, running: list[Request]) -> bool:
+        """This step's choice (once per step, before `propose`): whether the gate lets
+        greedy and unseeded requests draft at this batch size. Returns whether any request
+        will draft, i.e. whether the step in flight must be read back first (a drafter needs
+        the last token's value); seeded sampling requests always draft."""
+        decoding = _decoding(running)
+        self.step_drafts = self.gate is None or self.gate.choose(len(decoding))
+        return self.step_drafts or any(not _follows_gate(r) for r in decoding)
+
     def propose(self, running: list[Request]) -> None:
-        """Drafts for the running requests in decode (the rest get none): all of them, or,
-        when the gate measures that drafting loses at this batch size, only seeded sampling
-        requests (whose tokens must not depend on the batch: speculative/gate.py)."""
+        """Drafts for the running requests in decode (the rest get none), as `decide` chose:
+        all of them, or, where the gate measured that drafting loses at this batch size, only
+        seeded sampling requests (whose tokens must not depend on the batch: gate.py)."""
         arrays = {}
         batch: list[tuple[Request, int]] = []  # DFlash: drafted together below
-        decoding = [r for r in running
-                    if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids]
         for req in running:
             req.draft_token_ids = []
-        self.step_drafts = self.gate is None or self.gate.choose(len(decoding))
-        self.step_decoding = len(decoding)
-        for req in decoding:
-            if not self.step_drafts and (req.generator is None or req.params.greedy):
+        for req in _decoding(running):  # after the read-back: requests that finished left
+            if not self.step_drafts and _follows_gate(req):
                 if req.request_id in self._arrays:  # keep the n-gram lookup's token array
                     arrays[req.request_id] = self._arrays[req.request_id]
                 continue
@@ -211,6 +218,17 @@ class Speculation:
                 logprobs.append([(chosen_l[i], ranks[i], top_ids[i], top_lps[i]) for i in rows_r])
                 start += k + 1
         return Verified(committed, ks, logprobs)
+
+
+def _decoding(running: list[Request]) -> list[Request]:
+    """Requests in decode: one known token not computed yet (a prefill chunk is not)."""
+    return [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids]
+
+
+def _follows_gate(req: Request) -> bool:
+    """Greedy and unseeded requests: whether they draft may depend on the load (DESIGN
+    §9.1); a seeded sampling request's tokens may not, so it always drafts."""
+    return req.generator is None or req.params.greedy
 
 
 def record(req: Request, num_drafts: int, num_accepted: int) -> None:

@@ -18,13 +18,19 @@ sliding layer: c-W+1..c-1) read from the pool; rows 1..k give its k drafts (argm
 
 Drafting is batched: requests in chunks of at most CONTEXT_ROWS padded context rows, each
 chunk one drafter forward (torch attention over contexts gathered from the pool and padded).
+`draft` is device work only, with shapes fixed by (requests, context width): on CUDA it runs
+inside graphs captured per (batch bucket, power-of-two width) (dflash_graphs.py), eagerly
+elsewhere and for chunks no graph fits.
 
 The target's outputs come from every step path (eager, piecewise, decode and verify
 graphs: `ModelRunner.keep`/`kept`).
 
+On the decode and verify CUDA graph paths `store_context_in_graph` runs inside the graph (no
+host work); eager and piecewise steps call `store_context`.
+
 Partial (written down, not hidden): attention in torch over gathered contexts (not the paged
-kernel), drafts read back with one extra device sync per step (its host-to-device copies do
-not wait for the stream), and the drafter itself runs eagerly (not in a CUDA graph).
+kernel; a graph's width is padded to a power of two), and the drafts read back with one extra
+device sync per step (its host-to-device copies do not wait for the stream).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.engine.request import Request
 from swaserve.memory.groups import GroupLayout
 from swaserve.memory.kv_pool import KVPool
@@ -73,6 +80,8 @@ class DFlashProposer:
         self.head = head.packed.linear if hasattr(head, "packed") else head.weight
         param = next(drafter.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.groups = sorted({layout.layer_to_group[i] for i in self.pool_layer_ids})
+        self.graphs = None  # DrafterGraphs once captured (CUDA)
 
     # ---- after a target forward -----------------------------------------------------------
 
@@ -95,6 +104,20 @@ class DFlashProposer:
             slots = self._slots([pt[g] for pt in page_tables], starts, counts)
             k, v = self.drafter.context_kv(j, ctx, dev_positions)[:2]
             kv.store(layer_id, k, v, _to(slots, ctx.device))
+
+    def store_context_in_graph(self, fb: ForwardBatch, features: Tensor) -> None:
+        """`store_context` inside a captured decode or verify graph (engine/cuda_graph.py):
+        the step's positions and each group's slot mapping are the graph's own buffers,
+        padding rows have slot -1 and are stored nowhere, and nothing runs on the host."""
+        from swaserve.attention.kernels.paged_attention import store_kv
+
+        ctx = self.drafter.project_context(features.to(self.dtype))
+        for j, layer_id in enumerate(self.pool_layer_ids):
+            group = fb.metadata.groups[self.layout.layer_to_group[layer_id]]
+            k, v = self.drafter.context_kv(j, ctx, fb.positions)[:2]
+            k_cache, v_cache = fb.kv.layer_cache(layer_id)
+            # the KV cache is never fp8 with DFlash (refused at start): no scales
+            store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, group.slot_mapping)
 
     def _slots(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> Tensor:
         ps = self.page_size
@@ -132,52 +155,73 @@ class DFlashProposer:
     def _propose_chunk(
         self, requests: list[Request], ks: list[int], memory: MemoryManager, kv: KVPool
     ) -> Tensor:
-        cfg, dev = self.cfg, self.device
-        b, r = cfg.block_size, len(requests)
-        starts = torch.tensor([q.num_computed_tokens for q in requests])
-        tables = [memory.page_table(q.request_id) for q in requests]
-        ctx = [
-            self._context(j, layer_id, starts, tables, kv)
-            for j, layer_id in enumerate(self.pool_layer_ids)
-        ]
-        block = torch.full((r, b), cfg.mask_token_id, dtype=torch.int64)
-        block[:, 0] = torch.tensor([q.tokens(c, c + 1)[0] for q, c in zip(requests, starts)])
-        embeds = self.drafter.embed_block(_to(block, dev), self.embedding).to(self.dtype)
-        positions = _to(starts[:, None] + torch.arange(b)[None, :], dev)
-        hidden = self.drafter.forward_blocks(embeds, positions, ctx)  # [R, B, hidden]
-        k_max = max(ks)
-        logits = self.drafter.compute_logits(hidden[:, 1 : k_max + 1], self.head)
-        return logits.argmax(-1)  # [R, k_max]: the host keeps each request's first k
+        """[R, B - 1] drafts of a chunk of requests (the host keeps each request's first k):
+        through a captured graph when one fits, else the same function eagerly."""
+        starts = [q.num_computed_tokens for q in requests]
+        last = [q.tokens(c, c + 1)[0] for q, c in zip(requests, starts)]
+        tables = {g: [memory.page_table(q.request_id)[g] for q in requests]
+                  for g in self.groups}
+        width = self.context_width(starts)
+        if self.graphs is not None:
+            drafts = self.graphs.run(last, starts, tables, width)
+            if drafts is not None:
+                return drafts
+        dev = self.device
+        head = _to(torch.tensor([last, starts], dtype=torch.int64), dev)
+        pages = {g: _to(_padded(rows), dev) for g, rows in tables.items()}
+        return self.draft(head[0], head[1], pages, width, kv)
 
-    def _context(
+    def context_width(self, starts: list[int]) -> int:
+        """Context keys a drafter forward reads per request (padded to the longest): every
+        position before c, or a sliding layer's last window - 1 of them."""
+        longest = max(starts)
+        widths = [longest if w is None else min(longest, w - 1) for w in self.cfg.layer_windows]
+        return max(1, *widths)
+
+    def draft(
         self,
-        j: int,
-        layer_id: int,
-        starts: Tensor,
-        tables: list[list[list[int]]],
+        last_ids: Tensor,  # [R] x_c, on the device
+        starts: Tensor,  # [R] c
+        tables: dict[int, Tensor],  # group -> [R, pages] page ids (past a request's own: any)
+        width: int,  # context keys per request (>= context_width; extra ones are masked)
         kv: KVPool,
-    ) -> BatchedContext:
-        """Drafter layer j's context K/V of each request, read from the pool: positions
-        [lo, c) with lo = 0, or c - (window - 1) for a sliding layer."""
-        window, ps = self.cfg.layer_windows[j], self.page_size
-        lo = torch.zeros_like(starts) if window is None else (starts - (window - 1)).clamp_min(0)
-        lengths = starts - lo
-        width = max(1, int(lengths.max()))
-        positions = lo[:, None] + torch.arange(width)[None, :]  # [R, C]
-        valid = torch.arange(width)[None, :] < lengths[:, None]
-        group = self.layout.layer_to_group[layer_id]
-        rows = [t[group] for t in tables]
-        pages = max(len(row) for row in rows)
-        table = torch.tensor([row + [0] * (pages - len(row)) for row in rows], dtype=torch.int64)
-        index = (positions // ps).clamp_max(pages - 1)
-        slots = table.gather(1, index) * ps + positions % ps
-        slots = torch.where(valid, slots, 0)  # padding reads the NULL page, never seen
-        dev = kv.kv.device
-        keys, values = kv.read(layer_id, _to(slots.view(-1), dev))
-        shape = (len(rows), width, *keys.shape[1:])
-        return BatchedContext(
-            keys.view(shape).to(self.dtype),
-            values.view(shape).to(self.dtype),
-            _to(positions, dev),
-            _to(valid, dev),
-        )
+    ) -> Tensor:
+        """The drafts [R, B - 1] of R requests: device work only, with shapes fixed by
+        (R, width), so that a CUDA graph can hold it (DrafterGraphs)."""
+        cfg, b, ps = self.cfg, self.cfg.block_size, self.page_size
+        r, dev = last_ids.shape[0], last_ids.device
+        steps = torch.arange(b, device=dev)
+        block = torch.where(steps[None, :] == 0, last_ids[:, None], cfg.mask_token_id)
+        embeds = self.drafter.embed_block(block, self.embedding).to(self.dtype)
+        ctx = []
+        cols = torch.arange(width, device=dev)
+        for j, layer_id in enumerate(self.pool_layer_ids):
+            window = cfg.layer_windows[j]
+            lo = (torch.zeros_like(starts) if window is None
+                  else (starts - (window - 1)).clamp_min(0))
+            positions = lo[:, None] + cols[None, :]  # [R, C]
+            valid = cols[None, :] < (starts - lo)[:, None]
+            table = tables[self.layout.layer_to_group[layer_id]]
+            index = (positions // ps).clamp_max(table.shape[1] - 1)
+            slots = table.gather(1, index) * ps + positions % ps
+            slots = torch.where(valid, slots, 0)  # padding reads the NULL page, never seen
+            keys, values = kv.read(layer_id, slots.view(-1))
+            shape = (r, width, *keys.shape[1:])
+            ctx.append(BatchedContext(keys.view(shape).to(self.dtype),
+                                      values.view(shape).to(self.dtype), positions, valid))
+        hidden = self.drafter.forward_blocks(embeds, starts[:, None] + steps[None, :], ctx)
+        return self.drafter.compute_logits(hidden[:, 1:], self.head).argmax(-1)
+
+    def capture_graphs(self, max_requests: int, max_model_len: int, kv: KVPool) -> None:
+        """CUDA graphs of `draft` for batches of up to `max_requests` (engine/cuda_graph.py's
+        buckets) and context widths in powers of two (DrafterGraphs)."""
+        from swaserve.speculative.dflash_graphs import DrafterGraphs
+
+        graphs = DrafterGraphs(self, kv, max_requests, max_model_len)
+        graphs.capture()
+        self.graphs = graphs
+
+
+def _padded(rows: list[list[int]]) -> Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)

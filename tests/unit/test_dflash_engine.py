@@ -21,6 +21,7 @@ import torch
 from dflash.model import _draft_value, _raw_input_embeddings
 
 from swaserve import Engine, SamplingParams
+from swaserve.speculative.dflash_graphs import DrafterGraphs
 from tests.unit.test_dflash_reference import MASK, _reference, _target
 
 PAGE = 4
@@ -74,11 +75,13 @@ def _reference_drafts(target, ref, tokens: list[int], c: int, k: int) -> list[in
     return ref.compute_logits(hidden[1 : k + 1], target.lm_head).argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("pool", ["roomy", "tight"])
+@pytest.mark.parametrize("pool", ["roomy", "tight", "graph-inputs"])
 def test_drafts_equal_reference_and_outputs_lossless(models, pool):
+    """"graph-inputs": drafting through DrafterGraphs' static buffers (padded batch, widths
+    padded to a power of two, stale table rows), run eagerly: on CPU nothing is captured."""
     target_dir, drafter_dir, target, ref, kind = models
     tight = {"qwen3": 0.00005, "gemma3": 0.00004}[kind]  # a few pages short: preemptions
-    kw = dict(max_num_batched_tokens=12, kv_cache_gb=0.002 if pool == "roomy" else tight,
+    kw = dict(max_num_batched_tokens=12, kv_cache_gb=tight if pool == "tight" else 0.002,
               schedule_conservativeness=0)  # admit eagerly: the tight pool preempts
     params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=2)
     prompts = _prompts()
@@ -87,6 +90,9 @@ def test_drafts_equal_reference_and_outputs_lossless(models, pool):
 
     on = _engine(target_dir, drafter_dir, **kw)
     proposer = on.core.spec.dflash
+    if pool == "graph-inputs":
+        proposer.graphs = DrafterGraphs(proposer, on.core.kv, 4, on.core.max_model_len)
+        assert proposer.graphs.shapes and not proposer.graphs.graphs
     seen: list[tuple[list[int], int, list[int]]] = []
     propose = proposer.propose
 

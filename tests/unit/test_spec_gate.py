@@ -118,3 +118,49 @@ def test_engine_gate_measures_real_steps(folder):  # noqa: F811
     assert stats[3]["off_samples"] >= gate_mod.WARMUP
     assert stats[3]["on_seconds"] > 0 and stats[3]["off_seconds"] > 0 and stats[3]["yield"] >= 1
     eng.core.memory.check_integrity()
+
+
+class _Alternating(DraftGate):
+    """Drafting on two steps, off the third: every transition between verify steps (read
+    back at once) and overlapped plain steps (one in flight) happens many times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def choose(self, batch_size: int) -> bool:
+        self.calls += 1
+        return self.calls % 3 != 0
+
+
+def test_engine_switching_between_drafting_and_overlap_is_lossless(folder):  # noqa: F811
+    rng = random.Random(9)
+    prompts = _repetitive(rng, 4, 4, 6) + [[rng.randrange(2, 64) for _ in range(21)]]
+    params = [GREEDY, GREEDY, SamplingParams(max_tokens=15, temperature=0, stop_token_ids=[7]),
+              GREEDY, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
+    off = Engine(model=folder, device="cpu", page_size=PAGE, kv_cache_gb=0.01)
+    want = off.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    eng = _engine(folder, max_num_batched_tokens=16)  # chunked prefill
+    eng.core.spec.gate = _Alternating()
+    assert eng.core.overlap
+    in_flight = 0
+    step = eng.core.step
+
+    def counting_step():
+        nonlocal in_flight
+        outs = step()
+        in_flight += eng.core.has_in_flight()
+        return outs
+
+    eng.core.step = counting_step
+    got = eng.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+        if w.outputs[0].logprobs:
+            lg, lw = g.outputs[0].logprobs, w.outputs[0].logprobs
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(lg, lw)) < 1e-5
+    assert sum(o.spec_decoding["spec_verify_ct"] for o in got) > 0
+    assert sum(o.spec_decoding["spec_accepted_drafts"] for o in got) > 0
+    assert in_flight > 0  # plain steps overlapped
+    assert not eng.core.has_unfinished()
