@@ -75,6 +75,11 @@ def _needs_history(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
+def _seeded_sampling(p: SamplingParams) -> bool:
+    """A seeded random request: it drafts at every step (engine/speculation.py)."""
+    return p.seed is not None and not p.greedy
+
+
 def eos_token_ids(folder: Path, hf_config: Any) -> frozenset[int]:
     ids: set[int] = set()
     for src in (folder / "generation_config.json", folder / "config.json"):
@@ -228,6 +233,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None
         self._num_history_requests = 0  # live requests whose sampling reads token values
+        self._num_seeded_sampling = 0  # live seeded sampling requests: they always draft
         self._pinned: list[torch.Tensor | None] = [None, None]  # alternating host buffers
         self._pinned_turn = 0
         log.info(  # pages_total as memory_stats() counts it: without the NULL page
@@ -449,6 +455,7 @@ class EngineCore:
         )
         self.requests[request_id] = req
         self._num_history_requests += _needs_history(params)
+        self._num_seeded_sampling += _seeded_sampling(params)
         self.scheduler.add(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -460,6 +467,7 @@ class EngineCore:
     def _forget(self, req: Request) -> None:
         if self.requests.pop(req.request_id, None) is not None:
             self._num_history_requests -= _needs_history(req.params)
+            self._num_seeded_sampling -= _seeded_sampling(req.params)
 
     def has_unfinished(self) -> bool:
         """Requests queued or running, or a launched step whose tokens are not out yet."""
@@ -487,7 +495,8 @@ class EngineCore:
         (with nothing to do too): each call makes the step's agreement (`_agree`)."""
         outputs: list[EngineCoreOutput] = []
         t0 = time.perf_counter()
-        drafting = self.spec is not None and self.spec.decide(self.scheduler.running)
+        drafting = self.spec is not None and self.spec.decide(len(self.scheduler.running),
+                                                              self._num_seeded_sampling > 0)
         if self._inflight is not None and (self._num_history_requests or drafting):
             outputs += self._resolve()
         if self.spec is not None:
@@ -496,8 +505,6 @@ class EngineCore:
         if self.cache is not None:
             self.cache.move_pages()  # host loads/stores, then copy-on-write: before any forward
         outputs += [self._aborted(r) for r in batch.rejected]
-        measured = None if self.spec is None else self.spec.measured_tokens(
-            batch.requests, batch.num_new_tokens)
         launched = self._launch(batch) if self._agree(batch) else None
         if self.ep is not None:
             self.ep.end_step()
@@ -507,9 +514,10 @@ class EngineCore:
             outputs += self._resolve()  # a verify step is read back at once (speculation.py)
         if batch:
             self.scheduler.retire()
-        if measured is not None and launched is not None:
+        if self.spec is not None and launched is not None:
             # with overlap the call's wall time is the pipeline's time per step
-            self.spec.record_step(batch.requests, measured, time.perf_counter() - t0)
+            self.spec.record_step(batch.num_new_tokens, launched.verified,
+                                  time.perf_counter() - t0)
         return outputs
 
     def _agree(self, batch: ScheduledBatch) -> bool:

@@ -81,6 +81,7 @@ class Speculation:
         self.k = min(self.k, config.max_num_batched_tokens - 1)
         self.gate = None if config.disable_adaptive_speculation else DraftGate()
         self.step_drafts = True  # this step's choice (decide)
+        self.step_forced = False  # seeded sampling requests live: they draft regardless
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.memory, self.kv = memory, kv
@@ -88,23 +89,26 @@ class Speculation:
 
     # ---- before the step ------------------------------------------------------------------
 
-    def decide(self, running: list[Request]) -> bool:
-        """This step's choice (once per step, before `propose`): whether the gate lets
-        greedy and unseeded requests draft at this batch size. Returns whether any request
-        will draft, i.e. whether the step in flight must be read back first (a drafter needs
-        the last token's value); seeded sampling requests always draft."""
-        decoding = _decoding(running)
-        self.step_drafts = self.gate is None or self.gate.choose(len(decoding))
-        return self.step_drafts or any(not _follows_gate(r) for r in decoding)
+    def decide(self, batch_size: int, seeded_sampling: bool) -> bool:
+        """This step's choice (once per step, before `propose`; O(1): the step loop's host
+        time is the batch's): whether the gate lets greedy and unseeded requests draft at
+        this batch size. Returns whether any request may draft, i.e. whether the step in
+        flight must be read back first (a drafter needs the last token's value); seeded
+        sampling requests (`seeded_sampling`: some are live) always draft."""
+        self.step_drafts = self.gate is None or self.gate.choose(batch_size)
+        self.step_forced = seeded_sampling
+        return self.step_drafts or seeded_sampling
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for the running requests in decode (the rest get none), as `decide` chose:
         all of them, or, where the gate measured that drafting loses at this batch size, only
         seeded sampling requests (whose tokens must not depend on the batch: gate.py)."""
+        for req in running:  # none keeps a draft it did not verify (the next step may overlap)
+            req.draft_token_ids = []
+        if not (self.step_drafts or self.step_forced):
+            return
         arrays = {}
         batch: list[tuple[Request, int]] = []  # DFlash: drafted together below
-        for req in running:
-            req.draft_token_ids = []
         for req in _decoding(running):  # after the read-back: requests that finished left
             if not self.step_drafts and _follows_gate(req):
                 if req.request_id in self._arrays:  # keep the n-gram lookup's token array
@@ -130,22 +134,19 @@ class Speculation:
 
     # ---- the gate's measurements (speculative/gate.py) -------------------------------------
 
-    def measured_tokens(self, requests: list[Request], num_new_tokens: list[int]) -> int | None:
-        """Before a step's launch: its requests' output tokens so far, if the gate measures
-        this step (every request in decode, and drafting as the gate chose); else None."""
-        if self.gate is None or not requests:
-            return None
-        for req, n in zip(requests, num_new_tokens):
-            if req.num_computed_tokens != req.num_tokens - 1 or n != 1 + len(req.draft_token_ids):
-                return None
-            if req.draft_token_ids and not self.step_drafts:
-                return None
-        return sum(len(r.output_token_ids) for r in requests)
-
-    def record_step(self, requests: list[Request], before: int, seconds: float) -> None:
-        """After a measured step: its committed tokens and wall time to the gate."""
-        tokens = sum(len(r.output_token_ids) for r in requests) - before
-        self.gate.record(len(requests), self.step_drafts, tokens, seconds)
+    def record_step(self, num_new_tokens: list[int], verified: Verified | None,
+                    seconds: float) -> None:
+        """After a step: its committed tokens and wall time to the gate, if it was
+        decode-only (every chunk the last token plus its drafts) and drafted as the gate
+        chose. Plain steps commit one token a request; O(1) host work for them."""
+        n = len(num_new_tokens)
+        if self.gate is None or n == 0:
+            return
+        if verified is None:
+            if sum(num_new_tokens) == n:
+                self.gate.record(n, self.step_drafts, n, seconds)
+        elif self.step_drafts and sum(num_new_tokens) == n + sum(verified.num_drafts):
+            self.gate.record(n, True, sum(len(t) for t in verified.token_ids), seconds)
 
     def _tokens_of(self, req: Request) -> tuple[np.ndarray, int]:
         """The request's committed tokens as an int64 array, extended in place as outputs are

@@ -6,9 +6,10 @@ commits would cost one at a time. That depends on the model, the device, the dra
 acceptance on this traffic and the batch size (a large batch is compute-bound: K + 1 tokens a
 request cost nearly K + 1 times one), which is too much to predict and cheap to measure:
 
-    yield       tokens committed per request in a drafting step: one average over every
-                request-step that drafted (acceptance belongs to the drafter and the traffic,
-                not to the batch size; per step it is noisy, so it averages over many)
+    yield       tokens committed per request in a drafting step, averaged over request-steps:
+                per bucket once it has WARMUP drafting steps, else over every bucket (a
+                drafter's acceptance hardly depends on the batch size, but how often it finds
+                drafts at all can: the n-gram drafter on a batch of chat answers may find none)
     step time   per batch-size bucket, drafting and not: averages of decode-only steps' wall
                 time (steady, so a few steps tell)
     warm-up     a bucket's first WARMUP steps draft, the next WARMUP do not
@@ -54,6 +55,7 @@ class _Mean:
 class _Bucket:
     on: _Mean = field(default_factory=_Mean)  # step seconds, drafting
     off: _Mean = field(default_factory=_Mean)  # step seconds, not drafting
+    yield_: _Mean = field(default_factory=_Mean)  # tokens per request of its drafting steps
     drafts: bool = True  # the current winner
     steps: int = 0  # steps chosen since the last exploration began
     interval: int = EXPLORE_MIN
@@ -78,7 +80,8 @@ class DraftGate:
     def _wins(self, b: _Bucket) -> bool:
         """Drafting commits more tokens per second than not (per request: both steps hold
         the same requests)."""
-        return self.yield_.value * b.off.value >= b.on.value
+        y = b.yield_ if b.yield_.samples >= WARMUP else self.yield_
+        return y.value * b.off.value >= b.on.value
 
     def choose(self, batch_size: int) -> bool:
         """Whether a step of `batch_size` requests in decode drafts."""
@@ -102,7 +105,9 @@ class DraftGate:
         if drafted:
             b.on.add(seconds, ALPHA)
             # one step of n requests weighs as n request-steps
-            self.yield_.add(tokens / batch_size, 1.0 - (1.0 - YIELD_ALPHA) ** batch_size)
+            alpha = 1.0 - (1.0 - YIELD_ALPHA) ** batch_size
+            self.yield_.add(tokens / batch_size, alpha)
+            b.yield_.add(tokens / batch_size, alpha)
         else:
             b.off.add(seconds, ALPHA)
         if not b.warm():
@@ -121,6 +126,7 @@ class DraftGate:
             out[round(2 ** (k / 2))] = {
                 "drafts": b.drafts, "on_seconds": b.on.value, "off_seconds": b.off.value,
                 "on_samples": b.on.samples, "off_samples": b.off.samples,
-                "interval": b.interval, "yield": self.yield_.value,
+                "interval": b.interval, "yield": b.yield_.value,
+                "yield_all": self.yield_.value,
             }
         return out

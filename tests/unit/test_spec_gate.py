@@ -56,6 +56,17 @@ def test_a_losing_drafter_costs_little_and_a_change_is_noticed():
     assert late >= 40 and g.stats()[128]["drafts"] is True
 
 
+def test_a_bucket_where_drafts_are_rarely_found_stops_drafting():
+    g = DraftGate()
+    # batch 1: drafts found and accepted (2.5 tokens a step for 1.5x the time)
+    assert _drive(g, 60, 1, (2.5, 0.0015), (1.0, 0.001)) >= 50
+    # batch 32: the drafter finds almost nothing, and a step that tried costs 1.3x (no
+    # overlap): the bucket's own yield (1.1), not the one batch 1 measured, decides
+    assert _drive(g, 400, 32, (1.1, 0.0013), (1.0, 0.001)) <= 2 * gate_mod.WARMUP + 12
+    assert g.stats()[32]["drafts"] is False
+    assert g.stats()[1]["yield"] >= 2.0 and g.stats()[1]["drafts"] is True  # kept its own
+
+
 def _engine(folder: str, **kw) -> Engine:  # noqa: F811
     eng = Engine(model=folder, device="cpu", page_size=PAGE, kv_cache_gb=0.01,
                  speculative_algorithm="ngram", speculative_num_draft_tokens=3, **kw)
