@@ -639,7 +639,11 @@ class EngineCore:
             if req.status is RequestStatus.FINISHED:
                 continue  # finished or aborted while this step was in flight
             out = self._accept_token(req, launched.slots[i], tokens[i], lps[i] if lps else None)
-            if self.spec is not None:  # a step without drafts: the counters so far, unchanged
+            # A step without drafts leaves the counters as they were: the caller keeps the
+            # last ones it got, so they go out only with a request's first token (a request
+            # that never verifies still reports zero counters) and its last (not per step:
+            # the server serialises every output)
+            if self.spec is not None and (launched.slots[i] == 0 or out.finish_reason):
                 out.spec = (req.spec or SpecStats()).to_dict()
             outputs.append(out)
         return outputs
