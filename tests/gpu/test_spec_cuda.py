@@ -76,3 +76,41 @@ def test_seeded_sampling_reproduces_on_cuda(folder):
     for i, p in enumerate(prompts):
         alone = eng.generate(prompt_token_ids=[p], sampling_params=seeded[i], use_tqdm=False)[0]
         assert alone.token_ids == batch[i].token_ids
+
+
+def test_gate_switching_between_verify_graphs_and_overlap_on_cuda(folder):
+    """The gate's steps on CUDA: verify steps (read back at once, verify graphs) and plain
+    steps (decode graphs, one step in flight) alternate; greedy tokens and logprobs stay those
+    of speculation off."""
+    from tests.unit.test_spec_gate import _Alternating
+
+    rng = random.Random(2)
+    prompts = _repetitive(rng, 5, 4, 7)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1)
+    want = _engine(folder).generate(prompt_token_ids=prompts, sampling_params=params,
+                                    use_tqdm=False)
+    on = Engine(model=folder, dtype="float32", page_size=16, kv_cache_gb=0.05,
+                cuda_graph_max_bs=8, speculative_algorithm="ngram",
+                speculative_num_draft_tokens=3)
+    on.core.spec.gate = _Alternating()
+    replays, in_flight = [], []
+    graphs = on.core.runner.verify_graphs
+    run_chunks = graphs.run_chunks
+    graphs.run_chunks = lambda *a: replays.append(1) or run_chunks(*a)
+    step = on.core.step
+
+    def watched():
+        outs = step()
+        on.core.memory.check_integrity()
+        in_flight.append(on.core.has_in_flight())
+        return outs
+
+    on.core.step = watched
+    got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert replays and any(in_flight)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        d = max(abs(a.logprob - b.logprob)
+                for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs))
+        assert d < 1e-4, d
+    assert sum(o.spec_decoding["spec_verify_ct"] for o in got) > 0
