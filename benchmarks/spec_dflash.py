@@ -9,8 +9,8 @@ Correctness first: speculative greedy tokens are compared with speculation off (
 float32; in bf16 a near-tie may flip, then the count of equal leading tokens is printed).
 Runs on CPU (acceptance only is meaningful there) and GPU. Prints a table last; JSON to
 $OUT/spec_dflash.json.
-Usage: PYTHONPATH=. python benchmarks/spec_dflash.py --drafter DIR [--model smollm2-135m-instruct]
-       [--tokens 128] [--concurrency 1 8 32 128] [--device cuda]
+Usage: PYTHONPATH=. python benchmarks/spec_dflash.py [--drafter DIR] [--model smollm2-135m-instruct]
+       [--tokens 128] [--concurrency 1 8 32 128] [--workload chat|summarise] [--device cuda]
 """
 
 from __future__ import annotations
@@ -44,11 +44,42 @@ HELD_OUT = [
 ]
 
 
-def chat_ids(engine: Engine, n: int) -> list[list[int]]:
+# The repetitive workload: answers that quote a given text, where the n-gram drafter finds
+# its drafts (the issue's "summarising a given text"). Texts written for this benchmark.
+PASSAGES = [
+    "The town library opens at nine on weekdays and at ten on Saturdays. It is closed on "
+    "Sundays and public holidays. Members may borrow up to six books for three weeks, and a "
+    "loan can be renewed twice unless another member has reserved the book. Late returns cost "
+    "twenty cents a day. The reading room on the first floor is kept quiet; group work belongs "
+    "in the meeting rooms, which can be booked at the front desk for two hours at a time.",
+    "To repot a houseplant, water it the day before so that the roots hold together. Choose a "
+    "pot one size larger with a drainage hole. Put a layer of fresh potting mix in the bottom, "
+    "turn the old pot on its side and ease the plant out, loosen the outer roots with your "
+    "fingers, set the plant at the same depth as before, fill the gaps with mix, press it down "
+    "gently and water until it runs out of the hole. Keep the plant out of direct sun for a week.",
+    "Our team meets every Monday at ten to plan the week. Each person names the one task that "
+    "matters most to them, and anything blocking it. On Wednesday afternoon we review open pull "
+    "requests together, and on Friday we write a short summary of what shipped, what slipped, "
+    "and why. Meetings end on time, notes go in the shared folder the same day, and decisions "
+    "are written down with the name of the person who owns them.",
+    "The bus leaves the central station every fifteen minutes from six in the morning until "
+    "midnight. It stops at the museum, the university, the hospital and the harbour. A single "
+    "ticket costs two euros and is valid for ninety minutes, including changes. Day tickets "
+    "cost six euros. Tickets can be bought from the machines at each stop or in the app, but "
+    "not from the driver. Bicycles travel free outside the morning and evening rush hours.",
+]
+
+
+def chat_ids(engine: Engine, n: int, workload: str = "chat") -> list[list[int]]:
     tok = engine.tokenizer
     out = []
     for i in range(n):
-        text = tok.apply_chat_template([{"role": "user", "content": HELD_OUT[i % len(HELD_OUT)]}],
+        if workload == "chat":
+            ask = HELD_OUT[i % len(HELD_OUT)]
+        else:  # summarise: quote the given text back
+            ask = ("Summarise this text, quoting its key sentences word for word:\n\n"
+                   + PASSAGES[i % len(PASSAGES)])
+        text = tok.apply_chat_template([{"role": "user", "content": ask}],
                                        add_generation_prompt=True, tokenize=False)
         out.append(tok(text, add_special_tokens=False).input_ids)
     return out
@@ -83,6 +114,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--workload", choices=("chat", "summarise"), default="chat",
+                    help="chat questions, or answers that quote a given text (n-gram's case)")
     ap.add_argument("--solo-prompts", type=int, default=8,
                     help="concurrency 1 runs this many prompts one after another")
     args = ap.parse_args()
@@ -100,10 +133,12 @@ def main() -> None:
         engines[name] = Engine(model=args.model, **kw, **common)
         engines[f"{name}-all"] = Engine(model=args.model, **kw, **common,
                                         disable_adaptive_speculation=True)
-    rows, record = [], {"model": args.model, "drafter": args.drafter, "runs": []}
+    rows = []
+    record = {"model": args.model, "drafter": args.drafter, "workload": args.workload,
+              "runs": []}
     for c in args.concurrency:
         solo = c == 1
-        prompts = chat_ids(engines["off"], args.solo_prompts if solo else c)
+        prompts = chat_ids(engines["off"], args.solo_prompts if solo else c, args.workload)
         base = None
         for name, eng in engines.items():
             # warm: graphs, and the gate's measurements at these batch sizes (a server learns
@@ -131,7 +166,8 @@ def main() -> None:
     if out:
         with open(os.path.join(out, "spec_dflash.json"), "w") as f:
             json.dump(record, f, indent=1)
-    print(f"\n{args.model}, drafter {args.drafter}, greedy, at most {args.tokens} tokens per "
+    print(f"\n{args.model}, {args.workload}, drafter {args.drafter}, greedy, at most "
+          f"{args.tokens} tokens per "
           f"request (to EOS); concurrency 1: {args.solo_prompts} prompts one by one")
     print(f"{'conc':>5} {'drafter':>10} {'ms/tok':>8} {'tok/s':>8} {'speedup':>8} {'accept':>7} "
           f"{'verify':>7} {'equal':>6}")
