@@ -23,14 +23,16 @@ PAGE_BYTES = 4096  # the OS page: lazy_zeros aligns the pool to it
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor whose pages become resident only when written (`torch.zeros` writes
     every byte: a 2 GiB pool was 2 GiB of RSS from the start, in every engine of a test run).
-    calloc maps fresh zero pages for a block this large without touching them; the data
-    starts on a page boundary."""
-    import numpy as np
+    An anonymous mmap: fresh zero pages from the kernel, page-aligned, whatever state malloc
+    is in (calloc is lazy only while it maps a fresh block: a CI run once saw its 256 MiB
+    resident at once). The tensor keeps the mapping alive."""
+    import mmap
 
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = torch.from_numpy(np.zeros(nbytes + PAGE_BYTES, dtype=np.uint8))
-    start = -raw.data_ptr() % PAGE_BYTES
-    return raw[start : start + nbytes].view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
 
 
 class KVPool:
