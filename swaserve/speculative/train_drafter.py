@@ -6,6 +6,9 @@ itself generates.
    "task about topic" templates; in the target's chat template when it has one.
 2. Answers: the target continues each prompt (greedy by default: the drafter learns what
    greedy serving will ask of it). A held-out share of the sequences is never trained on.
+   `--save-sequences FILE` keeps them (sequence_file.py); `--sequences FILE...` trains on
+   files of earlier runs instead, so that generating (`--generate-only`) and training can run
+   in separate time-boxed calls.
 3. Features (drafter_features.py): the target's hidden states after `target_layer_ids` at
    every position, from batched prefills on a scratch pool, kept in the target's dtype.
 4. Training (drafter_trainer.py, objective in drafter_training.py): a fresh drafter (the
@@ -50,6 +53,7 @@ from swaserve.speculative.drafter_trainer import (
     default_steps,
 )
 from swaserve.speculative.loss_plot import plot_loss
+from swaserve.speculative.sequence_file import load_sequences, save_sequences
 
 
 def drafter_config(hf: Any, args: Any, mask_id: int) -> dict:
@@ -154,6 +158,12 @@ class _Clock:
 def run(args: Any) -> int:
     from swaserve import Engine
 
+    if args.generate_only and not args.save_sequences:
+        raise ValueError("--generate-only needs --save-sequences FILE (where the answers go)")
+    if args.generate_only and args.sequences:
+        raise ValueError("--generate-only with --sequences: nothing to generate or train")
+    if not args.generate_only and not args.out:
+        raise ValueError("--out DIR is needed (the drafter's folder), unless --generate-only")
     torch.manual_seed(args.seed)
     clock = _Clock()
     engine = Engine(model=args.target, device=args.device, dtype=args.dtype,
@@ -161,7 +171,22 @@ def run(args: Any) -> int:
     core = engine.core
     clock.device = core.device
     clock.mark(f"loaded {args.target} on {core.device}")
-    seqs = _sequences(engine, args, clock)
+    vocab = int(core.hf_config.vocab_size)
+    if args.sequences:
+        seqs, notes = load_sequences(args.sequences, vocab, args.target)
+        for note in notes:
+            print(f"train-drafter: {note}", flush=True)
+        clock.mark(f"loaded {len(seqs)} sequences")
+    else:
+        seqs = _sequences(engine, args, clock)
+    if args.save_sequences:
+        meta = {"target": args.target, "vocab_size": vocab, "max_new_tokens": args.max_new_tokens,
+                "temperature": args.temperature, "seed": args.seed}
+        size = save_sequences(args.save_sequences, seqs, meta)
+        print(f"train-drafter: saved {len(seqs)} sequences to {args.save_sequences} "
+              f"({size / 2**20:.1f} MiB)", flush=True)
+    if args.generate_only:
+        return 0
     raw = drafter_config(core.hf_config, args,
                          _mask_token(engine.tokenizer, int(core.hf_config.vocab_size)))
     cfg = dflash_config_from_dict(raw, core.hf_config, source="train-drafter")
@@ -254,8 +279,17 @@ def _write(out: Path, rows: list[Row], drafter: DFlashDrafter, raw: dict, args: 
 
 def add_args(p: Any) -> None:
     p.add_argument("--target", required=True, help="the target model (alias, GGUF or folder)")
-    p.add_argument("--out", required=True, help="output folder for the drafter")
+    p.add_argument("--out", help="output folder for the drafter (not with --generate-only)")
     g = p.add_argument_group("data")
+    g.add_argument("--sequences", nargs="+", metavar="FILE",
+                   help="train on sequences saved earlier by --save-sequences (several files: "
+                   "all of them, repeats once); no prompt is answered")
+    g.add_argument("--save-sequences", metavar="FILE",
+                   help="write the training sequences (prompt + answer ids) to FILE (.npz), for "
+                   "--sequences in a later run")
+    g.add_argument("--generate-only", action="store_true",
+                   help="answer the prompts, --save-sequences, and stop (no training): "
+                   "generation and training can then run in separate, time-boxed calls")
     g.add_argument("--prompts", help="a text file, one prompt per line, deduplicated (default: "
                    "built-in: messages the target writes itself, and templates)")
     g.add_argument("--num-prompts", type=int, default=None,

@@ -93,6 +93,40 @@ def test_train_drafter_lowers_loss_and_writes_a_loadable_drafter(target, tmp_pat
     assert all(o.spec_decoding["spec_verify_ct"] > 0 for o in got)
 
 
+def test_generate_in_one_call_and_train_in_another(target, tmp_path, capsys):
+    """--generate-only --save-sequences, twice with other seeds; then --sequences trains on
+    both files (a sequence in both counts once); bad flag combinations and files are errors."""
+    common = ["--target", target, "--device", "cpu", "--kv-cache-gb", "0.01",
+              "--question-max-tokens", "16", "--max-new-tokens", "24"]
+    files = [tmp_path / "a.npz", tmp_path / "b.npz"]
+    for seed, f in zip((1, 2), files):
+        assert cli_main(["train-drafter", *common, "--num-prompts", "6", "--seed", str(seed),
+                         "--generate-only", "--save-sequences", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "saved 6 sequences" in out and not (tmp_path / "drafter").exists()
+    drafter = tmp_path / "drafter"
+    assert cli_main(["train-drafter", *common, "--out", str(drafter), "--steps", "4",
+                     "--anchors", "4", "--block-size", "4", "--save-dtype", "float32",
+                     "--sequences", str(files[0]), str(files[1]), str(files[0])]) == 0
+    out = capsys.readouterr().out
+    assert "loaded 12 sequences" in out and "0 of 6 sequences new" in out
+    assert (drafter / "model.safetensors").exists() and (drafter / "loss.csv").exists()
+    # errors: a flag combination that makes no sense, a file that is not one, foreign ids
+    assert cli_main(["train-drafter", *common, "--generate-only"]) == 2
+    assert cli_main(["train-drafter", *common, "--num-prompts", "2"]) == 2  # no --out
+    (tmp_path / "bad.npz").write_bytes(b"not a file of sequences")
+    assert cli_main(["train-drafter", *common, "--out", str(drafter),
+                     "--sequences", str(tmp_path / "bad.npz")]) == 2
+    from swaserve.speculative.sequence_file import save_sequences
+
+    save_sequences(tmp_path / "big.npz", [([1, 2, 10**7], 1)], {"target": "other"})
+    assert cli_main(["train-drafter", *common, "--out", str(drafter),
+                     "--sequences", str(tmp_path / "big.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "--generate-only needs --save-sequences" in err and "--out DIR is needed" in err
+    assert "not a train-drafter sequence file" in err and "outside the target's vocab" in err
+
+
 def test_blocks_see_their_context_and_their_own_rows_only():
     tokens = torch.arange(100, 120)
     gen = torch.Generator().manual_seed(0)
