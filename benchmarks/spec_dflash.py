@@ -5,6 +5,10 @@ topic" and questions the target wrote; these are other questions), at concurrenc
 the baseline drafter. Each drafter runs twice: as served by default (the gate drafts only at
 batch sizes where it measured that drafting pays) and with every decode step drafting ("-all").
 
+Each engine runs in a fresh process by default (`--in-process`: all in this one). With five
+engines in one process, two runs of the same engines at batch 128 differed by 20-25%; whether
+sharing the process was the cause is not established, but a fresh one rules it out.
+
 Correctness first: speculative greedy tokens are compared with speculation off (equal in
 float32; in bf16 a near-tie may flip, then the count of equal leading tokens is printed).
 Runs on CPU (acceptance only is meaningful there) and GPU. Prints a table last; JSON to
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -106,6 +112,52 @@ def run(engine: Engine, prompts: list[list[int]], tokens: int, one_by_one: bool 
     return dt, [o.token_ids for o in outs], spec
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict[str, dict]:
+    """The engines compared: speculation off, then each drafter gated and "-all"
+    (--disable-adaptive-speculation: every decode step drafts)."""
+    common = dict(device=args.device, dtype=args.dtype, seed=0)
+    on_gpu = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    common["kv_cache_gb"] = 8 if on_gpu else 1
+    out = {"off": common}
+    for name, kw in (("dflash", dict(speculative_algorithm="dflash",
+                                     speculative_draft_model=args.drafter)),
+                     ("ngram", dict(speculative_algorithm="ngram"))):
+        out[name] = {**common, **kw}
+        out[f"{name}-all"] = {**common, **kw, "disable_adaptive_speculation": True}
+    return {k: v for k, v in out.items() if k in args.engines}
+
+
+def measure(args: argparse.Namespace, name: str, eng: Engine) -> list[dict]:
+    """One engine at every concurrency: a warm run (graphs, and the gate's measurements at
+    these batch sizes: a server learns them once, this run is short), then the timed one."""
+    out = []
+    for c in args.concurrency:
+        solo = c == 1
+        prompts = chat_ids(eng, args.solo_prompts if solo else c, args.workload)
+        run(eng, prompts, args.tokens, one_by_one=solo)
+        dt, toks, spec_ct = run(eng, prompts, args.tokens, one_by_one=solo)
+        out.append({"concurrency": c, "drafter": name, "seconds": dt, "toks": toks, **spec_ct})
+    return out
+
+
+def child_runs(args: argparse.Namespace, name: str) -> list[dict]:
+    """`measure` in a fresh process (nothing of another engine in its memory or its GC)."""
+    argv = [sys.executable, __file__, "--child", name, "--model", args.model,
+            "--tokens", str(args.tokens), "--device", args.device, "--dtype", args.dtype,
+            "--workload", args.workload, "--solo-prompts", str(args.solo_prompts),
+            "--concurrency", *map(str, args.concurrency)]
+    if args.drafter:
+        argv += ["--drafter", args.drafter]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT):])
+
+
+RESULT = "SPEC_DFLASH_RESULT "
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -118,46 +170,44 @@ def main() -> None:
                     help="chat questions, or answers that quote a given text (n-gram's case)")
     ap.add_argument("--solo-prompts", type=int, default=8,
                     help="concurrency 1 runs this many prompts one after another")
+    names = ["off", "dflash", "dflash-all", "ngram", "ngram-all"]
+    ap.add_argument("--engines", nargs="+", choices=names, default=names,
+                    help="which to run (off always runs: the others are compared with it)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="every engine in this process (default: each in a fresh one)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    common = dict(device=args.device, dtype=args.dtype, seed=0)
-    if torch.cuda.is_available() and args.device in ("auto", "cuda"):
-        common["kv_cache_gb"] = 8
-    else:
-        common["kv_cache_gb"] = 1
-    # "-all": --disable-adaptive-speculation (every decode step drafts); the others measure
-    # per batch size whether drafting pays (speculative/gate.py)
-    spec = {"dflash": dict(speculative_algorithm="dflash", speculative_draft_model=args.drafter),
-            "ngram": dict(speculative_algorithm="ngram")}
-    engines = {"off": Engine(model=args.model, **common)}
-    for name, kw in spec.items():
-        engines[name] = Engine(model=args.model, **kw, **common)
-        engines[f"{name}-all"] = Engine(model=args.model, **kw, **common,
-                                        disable_adaptive_speculation=True)
+    if args.child:  # one engine, results on stdout for the parent
+        args.engines = [args.child]
+        eng = Engine(model=args.model, **engine_kwargs(args)[args.child])
+        print(RESULT + json.dumps(measure(args, args.child, eng)), flush=True)
+        return
+    args.engines = ["off"] + [n for n in args.engines if n != "off"]
+    runs = {}
+    for name, kw in engine_kwargs(args).items():
+        runs[name] = (measure(args, name, Engine(model=args.model, **kw)) if args.in_process
+                      else child_runs(args, name))
     rows = []
     record = {"model": args.model, "drafter": args.drafter, "workload": args.workload,
-              "runs": []}
-    for c in args.concurrency:
+              "in_process": args.in_process, "runs": []}
+    for i, c in enumerate(args.concurrency):
         solo = c == 1
-        prompts = chat_ids(engines["off"], args.solo_prompts if solo else c, args.workload)
-        base = None
-        for name, eng in engines.items():
-            # warm: graphs, and the gate's measurements at these batch sizes (a server learns
-            # them once; this run is short)
-            run(eng, prompts, args.tokens, one_by_one=solo)
-            dt, toks, spec_ct = run(eng, prompts, args.tokens, one_by_one=solo)
+        base = runs["off"][i]
+        base_rate = sum(map(len, base["toks"])) / base["seconds"]
+        for name in runs:
+            m = runs[name][i]
+            toks, dt = m["toks"], m["seconds"]
             n_tok = sum(len(t) for t in toks)
-            if base is None:
-                base = (n_tok / dt, toks)
             equal = sum(
-                next((i for i, (a, b) in enumerate(zip(t, w)) if a != b), len(t))
-                for t, w in zip(toks, base[1])
+                next((j for j, (a, b) in enumerate(zip(t, w)) if a != b), len(t))
+                for t, w in zip(toks, base["toks"])
             ) / n_tok
-            v = spec_ct["verify"]
-            accept = (spec_ct["accepted"] + v) / v if v else None
+            v = m["verify"]
+            accept = (m["accepted"] + v) / v if v else None
             r = {"concurrency": c, "drafter": name, "seconds": dt,
                  "ms_per_token": dt / (n_tok if solo else max(map(len, toks))) * 1e3,
                  "tokens": n_tok, "tok_s": n_tok / dt, "verify_steps": v,
-                 "speedup": n_tok / dt / base[0], "accept_length": accept,
+                 "speedup": n_tok / dt / base_rate, "accept_length": accept,
                  "equal_leading": equal}
             rows.append(r)
             record["runs"].append(r)
@@ -166,7 +216,8 @@ def main() -> None:
     if out:
         with open(os.path.join(out, "spec_dflash.json"), "w") as f:
             json.dump(record, f, indent=1)
-    print(f"\n{args.model}, {args.workload}, drafter {args.drafter}, greedy, at most "
+    how = "one process" if args.in_process else "a process per engine"
+    print(f"\n{args.model}, {args.workload}, drafter {args.drafter}, {how}, greedy, at most "
           f"{args.tokens} tokens per "
           f"request (to EOS); concurrency 1: {args.solo_prompts} prompts one by one")
     print(f"{'conc':>5} {'drafter':>10} {'ms/tok':>8} {'tok/s':>8} {'speedup':>8} {'accept':>7} "
