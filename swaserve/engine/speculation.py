@@ -171,13 +171,17 @@ class Speculation:
     def sample(self, logits: Tensor, requests: list[Request]) -> Verified:
         """logits [sum(K_r + 1), V]: the raw logits of each request's verify rows, in order.
         Returns what to commit; one copy to the host."""
-        rows: list[SamplingRow] = []
         ks = [len(r.draft_token_ids) for r in requests]
-        for req, k in zip(requests, ks):
-            for i in range(k + 1):
-                outs = req.output_token_ids + req.draft_token_ids[:i]
-                rows.append(SamplingRow(req.params, req.generator, req.prompt_token_ids, outs))
-        target = self.sampler.target_logits(logits, rows)
+        if all(_plain_greedy(r) for r in requests):
+            target = logits  # argmax of the raw logits: no rows to build (host time per step)
+        else:
+            rows: list[SamplingRow] = []
+            for req, k in zip(requests, ks):
+                for i in range(k + 1):
+                    outs = req.output_token_ids + req.draft_token_ids[:i]
+                    rows.append(SamplingRow(req.params, req.generator, req.prompt_token_ids,
+                                            outs))
+            target = self.sampler.target_logits(logits, rows)
         R, K, V = len(requests), max(ks), logits.shape[1]
         device = logits.device
         draft_ids = [req.draft_token_ids + [0] * (K - k) for k, req in zip(ks, requests)]
@@ -219,6 +223,15 @@ class Speculation:
                 logprobs.append([(chosen_l[i], ranks[i], top_ids[i], top_lps[i]) for i in rows_r])
                 start += k + 1
         return Verified(committed, ks, logprobs)
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Every verify row of the request samples the raw logits' argmax: greedy, no penalty,
+    min_tokens reached (its first row has the fewest outputs). Sampler.target_logits would
+    return the logits untouched for such rows; this decides so without building them."""
+    p = req.params
+    return (p.greedy and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and len(req.output_token_ids) >= p.min_tokens)
 
 
 def _decoding(running: list[Request]) -> list[Request]:

@@ -268,3 +268,25 @@ def test_seeded_sampling_reproduces_alone_and_in_a_batch(folder):
         alone = _run(again, [p], seeded[i])[0]
         assert alone.token_ids == batch[i].token_ids
     assert sum(o.spec_decoding["spec_verify_ct"] for o in batch) > 0
+
+
+def test_penalties_and_min_tokens_see_the_drafts_before_each_row(folder, off):
+    """Greedy requests with penalties or min_tokens verify through the sampler's rows (each
+    row sees the drafts before it as outputs); plain greedy ones skip the rows. Both, in one
+    batch, equal speculation off, with drafts accepted."""
+    rng = random.Random(11)
+    prompts = _repetitive(rng, 4, 4, 6)
+    params = [
+        SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3, logprobs=1),
+        SamplingParams(max_tokens=20, temperature=0, presence_penalty=0.7,
+                       frequency_penalty=0.3),
+        SamplingParams(max_tokens=20, temperature=0, min_tokens=12, stop_token_ids=[5, 9]),
+        GREEDY,
+    ]
+    want = _run(off, prompts, params)
+    eng = _engine(folder, spec=True, speculative_num_draft_tokens=4)
+    _with_oracle(eng, prompts, want)
+    got = _run(eng, prompts, params)
+    _same(got, want)
+    _check_counters(got)
+    assert all(o.spec_decoding["spec_accepted_drafts"] > 0 for o in got)
