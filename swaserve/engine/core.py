@@ -314,11 +314,6 @@ class EngineCore:
                 f"checkpoint folder) for {c.model}; a drafter ships for the built-in {have}"
             )
         self.draft_model_path = path
-        if c.kv_cache_dtype != "auto":
-            raise ValueError(
-                "--speculative-algorithm dflash with --kv-cache-dtype fp8_e4m3: not supported "
-                "yet (the drafter's layers have no calibrated scales)"
-            )
         cfg = load_dflash_config(path, self.hf_config)
         if (cfg.num_kv_heads, cfg.head_dim) != (kv_heads, head_dim):
             raise ValueError(
@@ -334,8 +329,22 @@ class EngineCore:
             return None
         drafter = load_dflash_drafter(self.draft_model_path, self.hf_config, self.device,
                                       self.dtype)
-        return DFlashProposer(drafter, self.model, self.layout,
-                              int(self.hf_config.num_hidden_layers), self.config.page_size)
+        proposer = DFlashProposer(drafter, self.model, self.layout,
+                                  int(self.hf_config.num_hidden_layers), self.config.page_size)
+        if self.kv.is_fp8 and self.config.kv_cache_scale is None:
+            # the drafter's pool layers: calibrated like the target's (_set_fp8_scales), on
+            # its context K/V of the same tokens
+            from swaserve.engine.kv_calibration import calibrate_drafter_kv_scales
+
+            found = calibrate_drafter_kv_scales(
+                self.model, proposer, self.config.page_size, self.hf_config.num_key_value_heads,
+                head_dim_of(self.hf_config), self.dtype, self.device,
+                self.hf_config.vocab_size, self.config.seed)
+            ks, vs = list(self.kv.k_scales), list(self.kv.v_scales)
+            for layer_id, (k, v) in found.items():
+                ks[layer_id], vs[layer_id] = k, v
+            self.kv.set_scales(ks, vs)
+        return proposer
 
     def _fit_context_to_pool(self, num_pages: int) -> None:
         """Cap max_model_len to the most tokens one request can hold in the pool (vLLM does
@@ -358,7 +367,9 @@ class EngineCore:
         self.context_by_kv_pool = limit.by_kv_pool
 
     def _set_fp8_scales(self, kv_heads: int, head_dim: int) -> None:
-        n = self.hf_config.num_hidden_layers
+        """Every pool layer's scales; a DFlash drafter's layers are calibrated once the
+        drafter is loaded (_dflash_proposer)."""
+        n = len(self.layout.layer_to_slot)  # the target's layers, then a drafter's
         if self.config.kv_cache_scale is not None:
             self.kv.set_scales([self.config.kv_cache_scale] * n, [self.config.kv_cache_scale] * n)
             return
@@ -371,8 +382,9 @@ class EngineCore:
         if self.parallel is not None:  # each rank saw its heads: the largest over all of them
             ks, vs = agree_kv_scales(self.parallel.tp, ks, vs)
         self.kv.set_scales(ks, vs)
+        t = self.hf_config.num_hidden_layers  # the target's (a drafter's come later)
         log.info("fp8 KV scales calibrated: k %.3g..%.3g, v %.3g..%.3g",
-                 min(ks), max(ks), min(vs), max(vs))
+                 min(ks[:t]), max(ks[:t]), min(vs[:t]), max(vs[:t]))
 
     def _capture_graphs(self, backend: Any) -> None:
         from swaserve.attention.triton_backend import TritonBackend

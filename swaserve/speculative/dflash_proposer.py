@@ -116,8 +116,9 @@ class DFlashProposer:
             group = fb.metadata.groups[self.layout.layer_to_group[layer_id]]
             k, v = self.drafter.context_kv(j, ctx, fb.positions)[:2]
             k_cache, v_cache = fb.kv.layer_cache(layer_id)
-            # the KV cache is never fp8 with DFlash (refused at start): no scales
-            store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, group.slot_mapping)
+            k_scale, v_scale = fb.kv.layer_scales(layer_id)  # fp8: set before any capture
+            store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, group.slot_mapping,
+                     k_scale, v_scale)
 
     def _slots(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> Tensor:
         ps = self.page_size
