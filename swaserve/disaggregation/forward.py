@@ -11,8 +11,10 @@
 Retry, and its invariants:
 - A call that fails before its request was wholly written (connection refused, a stale
   connection) never reached its instance: the instance is marked down (back-off) and the
-  request goes to another pair (a new bootstrap id), `_Unreachable` below. Any other failure
-  is the client's error (503 naming the instance): the instance may have started the request.
+  request goes to another pair (a new bootstrap id), `_Unreachable` below. So does a 503
+  answer (the instance's queue is full or its engine core is gone: the request does not run
+  there). Any other failure is the client's error (503 naming the instance): the instance
+  may have started the request.
 - The decode call starts only after the prefill request is on the wire, so an unreachable
   prefill instance costs no decode reservation; an unreachable decode instance costs an
   aborted prefill call. Either way no request is ever live on two decode instances.
@@ -54,11 +56,25 @@ WRITTEN = "http11.send_request_body.complete"  # httpcore's trace event: the req
 
 
 class _Unreachable(Exception):
-    """A call failed before its request was wholly written: `inst` never saw it."""
+    """Send the request to another pair: a call failed before its request was wholly written
+    (`inst` never saw it), or `inst` answered 503 (`_refusal`)."""
 
     def __init__(self, inst: Instance, error: BaseException) -> None:
         super().__init__(f"{inst.role} instance {inst.url}: {type(error).__name__}: {error}")
         self.inst, self.error = inst, error
+
+
+class InstanceRefused(Exception):
+    """An instance's 503 answer: a full queue, or its engine core gone (`swaserve serve`
+    answers 503 for nothing else); nothing of the request runs there any more."""
+
+
+def _refusal(inst: Instance, err: APIError) -> BaseException:
+    """An instance's error for the client, or, for a 503, `_Unreachable`: no answer reached
+    the client yet, and the request does not run on that instance, so another pair takes it."""
+    if err.status != 503:
+        return err
+    return _Unreachable(inst, InstanceRefused(f"answered 503: {err.message}"))
 
 
 def _written_flag() -> tuple[asyncio.Event, Callable[[str, Any], Awaitable[None]]]:
@@ -191,7 +207,8 @@ class _Pair:
             return self.router.down(self.p, t.exception())
         r = t.result()
         if r.status_code != 200:
-            self.router.failures.labels(instance=self.p.url, role="prefill").inc()
+            if r.status_code != 503:  # a 503 is counted when the instance is marked down
+                self.router.failures.labels(instance=self.p.url, role="prefill").inc()
             return error_of(self.p, r)
         self.p.mark_ok()
         return None
@@ -249,9 +266,9 @@ async def _decode_answer(pair: _Pair, path: str, body: dict, raw: Request) -> ht
     pair.start_prefill(path, body)
     try:
         await pair.prefill_written()
-        err = pair.prefill_error()  # it may have refused the request already (a 400)
+        err = pair.prefill_error()  # it may have refused the request already (a 400, a 503)
         if err is not None:
-            raise err
+            raise _refusal(pair.p, err)
     except BaseException:
         await pair.close()
         raise
@@ -270,7 +287,7 @@ async def _decode_answer(pair: _Pair, path: str, body: dict, raw: Request) -> ht
                 raise APIError(499, "client disconnected")
             err = pair.prefill_error()
             if err is not None:
-                raise err
+                raise _refusal(pair.p, err)
         exc = d_task.exception()
         if exc is not None:
             if not d_written.is_set() and isinstance(exc, httpx.TransportError):
@@ -279,8 +296,9 @@ async def _decode_answer(pair: _Pair, path: str, body: dict, raw: Request) -> ht
         resp = d_task.result()
         if resp.status_code != 200:
             await resp.aread()
-            router.failures.labels(instance=pair.d.url, role="decode").inc()
-            raise error_of(pair.d, resp)
+            if resp.status_code != 503:  # a 503 is counted when the instance is marked down
+                router.failures.labels(instance=pair.d.url, role="decode").inc()
+            raise _refusal(pair.d, error_of(pair.d, resp))
         pair.d.mark_ok()
         return resp
     except BaseException:

@@ -164,6 +164,7 @@ class Fleet:
         self.urls = {"prefill": [f"http://p{i}:1" for i in range(prefill)],
                      "decode": [f"http://d{i}:1" for i in range(decode)]}
         self.dead: set[str] = set()
+        self.refusing: dict[str, int] = {}  # instance url -> the error status it answers
         self.cut_streams = False  # decode streams break after their first chunk
         self.calls: list[tuple[str, str]] = []  # (instance url, path) of delivered POSTs
 
@@ -175,6 +176,11 @@ class Fleet:
         if request.url.path == "/v1/disaggregation":
             return httpx.Response(200, json={"mode": role, "bootstrap": f"tcp://{url}"})
         self.calls.append((url, request.url.path))
+        if url in self.refusing:
+            status = self.refusing[url]
+            return httpx.Response(status, json={"error": {
+                "message": "queue full" if status == 503 else "boom", "type": "server_error",
+                "param": None, "code": status}})
         if role == "prefill":
             return httpx.Response(200, json={"sent": True})
         if json.loads(request.content).get("stream"):
@@ -271,4 +277,31 @@ def test_no_retry_once_bytes_reached_the_client():
         events = [line for line in r.text.splitlines() if line.startswith("data: {")]
         assert '"hi"' in events[0] and "error" in events[-1] and "decode instance" in events[-1]
         assert [u for u, _ in fleet.calls if u.startswith("http://d")] == [fleet.urls["decode"][0]]
+        assert all(i.in_flight == 0 for i in router.instances)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_503_answer_sends_the_request_to_another_pair(role):
+    """An instance that answers 503 (queue full, engine core gone) runs nothing of the
+    request: another pair takes it, the instance is marked down, the retry counted once.
+    Any other error status goes to the client."""
+    fleet = Fleet(2, 2)
+    router, client = fleet.router()
+    with client:
+        assert post(client).status_code == 200
+        victim = fleet.calls[0][0] if role == "prefill" else fleet.calls[1][0]
+        fleet.refusing[victim] = 503
+        fleet.calls.clear()
+        for stream in (False, True):
+            r = post(client, LONG + "more", stream=stream)
+            assert r.status_code == 200 and "error" not in r.text, r.text
+        inst = next(i for i in router.instances if i.url == victim)
+        assert not inst.up and "503" in inst.error and "queue full" in inst.error
+        assert [u for u, _ in fleet.calls].count(victim) == 1  # then skipped while down
+        assert all(i.in_flight == 0 for i in router.instances)
+        # a 500 is the client's error, not retried
+        inst.mark_up({"mode": role, "bootstrap": f"tcp://{victim}"})
+        fleet.refusing = {u: 500 for u in fleet.urls[role]}
+        r = post(client, LONG + "again")
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"], r.text
         assert all(i.in_flight == 0 for i in router.instances)
