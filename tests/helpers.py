@@ -69,3 +69,17 @@ def tiny_gemma3_config(**overrides):
     )
     args.update(overrides)
     return transformers.Gemma3TextConfig(num_hidden_layers=len(args["layer_types"]), **args)
+
+
+def check_integrity_every_step(engine):
+    """Wrap `engine.core.step` so the pool's invariants are checked after every step;
+    returns the engine."""
+    step = engine.core.step
+
+    def checked_step():
+        outs = step()
+        engine.core.memory.check_integrity()
+        return outs
+
+    engine.core.step = checked_step
+    return engine

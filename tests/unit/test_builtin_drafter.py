@@ -10,6 +10,7 @@ import pytest
 
 from swaserve import Engine, SamplingParams
 from swaserve.weights.builtin import builtin_drafter
+from tests.helpers import check_integrity_every_step
 
 QUESTIONS = ["Why do cats purr?", "Explain what an API is to a non-programmer."]
 
@@ -29,15 +30,7 @@ def test_shipped_drafter_is_small_and_complete():
 def dflash_engine():
     eng = Engine(model="smollm2-135m-instruct", device="cpu", kv_cache_gb=1,
                  speculative_algorithm="dflash", disable_adaptive_speculation=True)
-    step = eng.core.step
-
-    def checked_step():
-        outs = step()
-        eng.core.memory.check_integrity()
-        return outs
-
-    eng.core.step = checked_step
-    return eng
+    return check_integrity_every_step(eng)
 
 
 def test_builtin_dflash_accepts_drafts_and_is_lossless(smollm_engine, dflash_engine):

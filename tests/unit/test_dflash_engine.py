@@ -22,6 +22,7 @@ from dflash.model import _draft_value, _raw_input_embeddings
 
 from swaserve import Engine, SamplingParams
 from swaserve.speculative.dflash_graphs import DrafterGraphs
+from tests.helpers import check_integrity_every_step
 from tests.unit.test_dflash_reference import MASK, _reference, _target
 
 PAGE = 4
@@ -43,15 +44,7 @@ def _engine(target: str, drafter: str | None, **kw) -> Engine:
         kw.update(speculative_algorithm="dflash", speculative_draft_model=drafter,
                   disable_adaptive_speculation=True)
     eng = Engine(model=target, device="cpu", dtype="float32", page_size=PAGE, **kw)
-    step = eng.core.step
-
-    def checked_step():
-        outs = step()
-        eng.core.memory.check_integrity()
-        return outs
-
-    eng.core.step = checked_step
-    return eng
+    return check_integrity_every_step(eng)
 
 
 def _prompts() -> list[list[int]]:

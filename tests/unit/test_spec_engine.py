@@ -15,7 +15,7 @@ import pytest
 
 from swaserve import Engine, SamplingParams
 from swaserve.engine.speculation import Speculation
-from tests.helpers import save_random_hf_model, tiny_gemma3_config
+from tests.helpers import check_integrity_every_step, save_random_hf_model, tiny_gemma3_config
 
 WINDOW, PAGE = 8, 4
 
@@ -41,15 +41,7 @@ def _engine(folder: str, spec: bool, **kw) -> Engine:
         # every step drafts: the tests count acceptances (the gate: test_spec_gate.py)
         kw.setdefault("disable_adaptive_speculation", True)
     eng = Engine(model=folder, device="cpu", page_size=PAGE, **kw)
-    step = eng.core.step
-
-    def checked_step():
-        outs = step()
-        eng.core.memory.check_integrity()
-        return outs
-
-    eng.core.step = checked_step
-    return eng
+    return check_integrity_every_step(eng)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import random
 from swaserve import Engine, SamplingParams
 from swaserve.speculative import gate as gate_mod
 from swaserve.speculative.gate import DraftGate, bucket_of
+from tests.helpers import check_integrity_every_step
 from tests.unit.test_spec_engine import GREEDY, PAGE, _repetitive, folder  # noqa: F401
 
 
@@ -70,15 +71,7 @@ def test_a_bucket_where_drafts_are_rarely_found_stops_drafting():
 def _engine(folder: str, **kw) -> Engine:  # noqa: F811
     eng = Engine(model=folder, device="cpu", page_size=PAGE, kv_cache_gb=0.01,
                  speculative_algorithm="ngram", speculative_num_draft_tokens=3, **kw)
-    step = eng.core.step
-
-    def checked_step():
-        outs = step()
-        eng.core.memory.check_integrity()
-        return outs
-
-    eng.core.step = checked_step
-    return eng
+    return check_integrity_every_step(eng)
 
 
 class _Never(DraftGate):
