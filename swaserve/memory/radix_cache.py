@@ -81,6 +81,7 @@ own stream on CUDA (host_cache.py), so they overlap the forwards of other reques
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import Counter
@@ -111,6 +112,7 @@ class Node:
         "start",
         "n_slots",
         "children",
+        "child_keys",
         "dev",
         "off",
         "last_access",
@@ -134,6 +136,8 @@ class Node:
         self.start = start
         self.n_slots = n_slots
         self.children: dict[tuple[int, ...], Node] = {}
+        # the children's keys, sorted: a partial page's best match is a neighbour (match)
+        self.child_keys: list[tuple[int, ...]] = []
         self.dev = [[NULL] * n_slots for _ in range(num_groups)]
         self.off = [[[NULL] * n_slots for _ in range(num_groups)] for _ in range(num_tiers)]
         self.last_access = 0
@@ -179,6 +183,30 @@ def _common(a: Sequence[int], a0: int, b: Sequence[int], b0: int, m: int) -> int
     while a[a0 + k] == b[b0 + k]:
         k += 1
     return k
+
+
+def _add_child(parent: Node, node: Node, ps: int) -> None:
+    key = tuple(node.key[:ps])
+    assert key not in parent.children
+    parent.children[key] = node
+    bisect.insort(parent.child_keys, key)
+
+
+def _drop_child(parent: Node, node: Node, ps: int) -> None:
+    key = tuple(node.key[:ps])
+    del parent.children[key]
+    keys = parent.child_keys
+    del keys[bisect.bisect_left(keys, key)]
+
+
+def _closest_children(node: Node, query: Sequence[int]) -> list[Node]:
+    """The children that may share the most leading tokens with `query` (at most a page):
+    in sorted order, the longest common prefix with a query is found next to where the
+    query would go, so two comparisons instead of one per child (a node under a shared chat
+    template has a child per distinct user message)."""
+    keys = node.child_keys
+    i = bisect.bisect_left(keys, tuple(query))
+    return [node.children[keys[j]] for j in (i - 1, i) if 0 <= j < len(keys)]
 
 
 class RadixCache:
@@ -236,7 +264,7 @@ class RadixCache:
             child = node.children.get(tuple(tokens[pos : pos + ps])) if m == ps else None
             if child is None:  # into one more page: the child sharing the most tokens
                 best, r = None, 0
-                for c in node.children.values():
+                for c in _closest_children(node, tokens[pos : pos + m]):
                     k = _common(c.key, 0, tokens, pos, m)
                     if k > r:
                         best, r = c, k
@@ -541,7 +569,7 @@ class RadixCache:
 
     def _new_node(self, parent: Node, key: list[int], tables: list[list[int]]) -> Node:
         node = Node(parent, key, parent.end, len(key) // self.ps, len(self.groups), len(self.tiers))
-        parent.children[tuple(key[: self.ps])] = node
+        _add_child(parent, node, self.ps)
         self.nodes.add(node)
         self._fill(node, 0, tables)
         return node
@@ -598,8 +626,8 @@ class RadixCache:
         for n in (top, node):
             n.num_dev = sum(p != NULL for row in n.dev for p in row)
             n.num_off = [sum(p != NULL for row in t for p in row) for t in n.off]
-        parent.children[tuple(top.key[:ps])] = top
-        top.children[tuple(node.key[:ps])] = node
+        parent.children[tuple(top.key[:ps])] = top  # same first page as `node`: same key
+        _add_child(top, node, ps)
         node.parent = top
         top.last_access = node.last_access
         self.nodes.add(top)
@@ -897,7 +925,7 @@ class RadixCache:
                     if tier[g][i] != NULL:
                         self.tiers[t].free([tier[g][i]])
                         self._set_off(node, t, g, i, NULL)
-        del node.parent.children[tuple(node.key[: self.ps])]
+        _drop_child(node.parent, node, self.ps)
         self.nodes.discard(node)
         self._suspects.discard(node)
         return freed
@@ -1032,6 +1060,7 @@ class RadixCache:
         dev_owner: dict[int, int] = {}
         off_held: list[set[int]] = [set() for _ in self.tiers]
         num_dev, pins = 0, 0
+        assert self.root.child_keys == sorted(self.root.children), "root: sorted child keys"
         for n in seen:
             where = repr(n)
             assert n.parent is not None and n.parent.children.get(tuple(n.key[:ps])) is n, where
@@ -1039,6 +1068,7 @@ class RadixCache:
             assert len(n.key) == n.n_slots * ps, f"{where}: key not whole pages"
             for c in n.children.values():
                 assert c.parent is n, f"{where}: child's parent link"
+            assert n.child_keys == sorted(n.children), f"{where}: sorted child keys"
             assert all(len(r) == n.n_slots for r in n.dev), f"{where}: dev rows"
             assert all(len(r) == n.n_slots for t in n.off for r in t), f"{where}: off rows"
             nd = 0

@@ -277,6 +277,33 @@ def test_full_attention_hit_reuses_pages_and_copies_partial_page():
     sim.finish(c)
 
 
+def test_partial_page_match_among_many_siblings():
+    """Under a shared prefix (a chat template), a partial page's hit is the sibling sharing
+    the most leading tokens: the sorted-keys lookup equals a scan of every sibling, and
+    siblings come and go (eviction, splits) without the keys going stale."""
+    ps, prefix = 4, [900, 901, 902, 903, 904, 905, 906, 907]
+    sim = Sim([None], page_size=ps, num_pages=4096)
+    rng = random.Random(5)
+    pages = set()
+    while len(pages) < 150:  # 4**4 possible: siblings share 0 to 3 leading tokens
+        pages.add(tuple(rng.randint(1, 4) for _ in range(ps)))
+    for page in sorted(pages, key=lambda _: rng.random()):
+        sim.finish(run_to_end(sim, prefix + list(page) + [50, 51, 52, 53, 54]))
+    split_at = prefix + list(sorted(pages)[0]) + [50, 60, 61]  # splits a sibling mid-way
+    sim.finish(run_to_end(sim, split_at))
+    sim.cache.evict(40)  # drops some siblings' leaves
+    sim.check()
+    kept = [k for k in sim.cache.nodes if k.parent is not None and k.parent.start == 0
+            and k.start == len(prefix)]
+    kept_pages = {tuple(n.key[:ps]) for n in kept}
+    assert 0 < len(kept_pages) < len(pages)
+    for _ in range(60):
+        q = [rng.randint(1, 4) for _ in range(rng.randint(1, ps))]
+        want = max(next((i for i in range(len(q)) if q[i] != k[i]), len(q)) for k in kept_pages)
+        hit = sim.cache.match(prefix + q + [999])
+        assert hit.num_tokens == len(prefix) + want, (q, hit.num_tokens)
+
+
 def test_swa_hit_needs_only_the_window_before_the_reuse_point():
     sim = Sim([6, None], page_size=4, num_pages=80)
     a = run_to_end(sim, list(range(40)))  # all 40 in one chunk, then keys < 35 are dead
