@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -26,7 +27,22 @@ class AttentionInputs:
 
     query_lens: list[int]
     context_lens: list[int]  # tokens whose K/V are already in the pool
-    page_tables: list[list[list[int]]]  # [request][group] -> page ids (NULL where retired)
+    # [request][group] -> page ids (NULL where retired); or, from the engine, `arrays`
+    page_tables: list[list[list[int]]] | None = None
+    # per group, the same tables as one `[B, W]` int32 array with zeros (NULL) after each
+    # request's entries (MemoryManager.table_arrays: no per-step list building)
+    arrays: list[np.ndarray] | None = None
+
+    def group_table(self, group: int) -> np.ndarray:
+        """Group `group`'s tables as a `[B, W]` int32 array, W >= 1, zero-padded."""
+        if self.arrays is not None:
+            return self.arrays[group]
+        assert self.page_tables is not None, "AttentionInputs without page tables"
+        rows = [pt[group] for pt in self.page_tables]
+        out = np.zeros((len(rows), max(1, max(map(len, rows), default=0))), dtype=np.int32)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        return out
 
 
 def slot_mapping(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from swaserve.attention.base import AttentionBackend, AttentionInputs
@@ -26,12 +27,12 @@ from swaserve.models.blocks import AttentionSpec
 @dataclass
 class TorchGroupMetadata:
     slot_mapping: torch.Tensor  # [T] flat slots of the new tokens
-    kv_slots: list[torch.Tensor]  # per request: flat slots of the keys the group keeps
-    key_start: list[int]  # per request: position of kv_slots[r][0]
+    key_start: list[int]  # per request: position of its first kept key (padded[r, 0])
     context_lens: list[int]  # per request: position of its first new token
     seq_lens: list[int]  # per request: context + new tokens
     device: torch.device
-    # [R, W]: row r holds kv_slots[r] then zeros (slot 0 of the NULL page) up to the longest
+    # [R, W]: row r holds the flat slots of the keys the group keeps for request r (positions
+    # key_start[r] to seq_lens[r]), then zeros (slot 0 of the NULL page) up to the longest
     padded: torch.Tensor | None = None
     # (request, layer window) -> (visible slots, [q_len, num_keys] bool mask, True = may
     # attend); ("decode", layer window) -> decode_view's batch
@@ -48,8 +49,8 @@ class TorchGroupMetadata:
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-            self._views[key] = (self.kv_slots[r][start - self.key_start[r] :],
-                                mask.to(self.device))
+            kept = self.key_start[r]
+            self._views[key] = (self.padded[r, start - kept : end - kept], mask.to(self.device))
         return self._views[key]
 
     def _layer_start(self, r: int, window: int | None) -> int:
@@ -106,16 +107,17 @@ class TorchMetadata:
 
 
 def padded_slots(
-    tables: list[list[int]], starts: list[int], ends: list[int], page_size: int
+    tables: np.ndarray, starts: list[int], ends: list[int], page_size: int
 ) -> torch.Tensor:
     """[R, max(ends - starts)] flat pool slots of positions [starts[r], ends[r]) of request r
-    under page table tables[r], zeros after them: `slot_mapping` of every request at once."""
+    under page table row tables[r] (`[R, pages]`, zero-padded), zeros after them:
+    `slot_mapping` of every request at once."""
     i64 = torch.int64
     width = max((e - s for s, e in zip(starts, ends)), default=0)
-    pages = max((len(t) for t in tables), default=0)
+    pages = tables.shape[1]
     if width == 0 or pages == 0:
         return torch.zeros(len(tables), width, dtype=i64)
-    table = torch.tensor([t + [0] * (pages - len(t)) for t in tables], dtype=i64)
+    table = torch.from_numpy(tables).to(i64)
     pos = torch.tensor(starts, dtype=i64)[:, None] + torch.arange(width)[None, :]
     valid = pos < torch.tensor(ends, dtype=i64)[:, None]
     page = table.gather(1, (pos // page_size).clamp_(max=pages - 1))
@@ -138,14 +140,13 @@ class TorchBackend(AttentionBackend):
         groups = []
         for g, group in enumerate(self.layout.groups):
             starts = [0 if group.window is None else max(0, c - group.window + 1) for c in ctxs]
-            padded = padded_slots([pt[g] for pt in inputs.page_tables], starts, ends, ps)
+            padded = padded_slots(inputs.group_table(g), starts, ends, ps)
             skip = torch.tensor([c - s for c, s in zip(ctxs, starts)], dtype=i64)
             new_slots = padded[req, skip[req] + tok]
             padded = padded.to(self.device)
-            kv_slots = [padded[r, : e - s] for r, (s, e) in enumerate(zip(starts, ends))]
             groups.append(
                 TorchGroupMetadata(
-                    new_slots.to(self.device), kv_slots, starts, ctxs, ends, self.device, padded
+                    new_slots.to(self.device), starts, ctxs, ends, self.device, padded
                 )
             )
         return TorchMetadata(qsl, groups)

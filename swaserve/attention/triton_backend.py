@@ -78,9 +78,7 @@ class TritonBackend(AttentionBackend):
 
         groups = []
         for g in range(self.layout.num_groups):
-            tables = [pt[g] for pt in inputs.page_tables]
-            width = max(1, max((len(t) for t in tables), default=0))
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            table = torch.from_numpy(inputs.group_table(g))
             slots = table[req, pos // ps].long() * ps + pos % ps
             groups.append(
                 TritonGroupMetadata(self._to_device(table), self._to_device(slots))

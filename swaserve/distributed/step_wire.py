@@ -5,8 +5,8 @@ Every message starts with a header, HEADER int64 words over the gloo group:
 
     [op, a, b, c]
     FORWARD  a = requests R, b = attention groups G, c = payload length
-             payload (gloo): query_lens[R] | context_lens[R] | table_lens[R * G] | tables
-                             (request-major, then group; each table its page ids)
+             payload (gloo): query_lens[R] | context_lens[R] | per group its tables as one
+                             [R, W] block (zero-padded rows, W = rest / (R * G))
              then the input ids [sum(query_lens)] over the device group, after rank 0 filled
              in the tokens still on its device (the overlap schedule), so nothing waits for
              the host
@@ -53,16 +53,19 @@ class StepWire:
     # ---- rank 0 -----------------------------------------------------------------------------
 
     def send_forward(self, inputs: AttentionInputs, input_ids: torch.Tensor) -> None:
-        lens: list[int] = []
-        pages: list[int] = []
-        for tables in inputs.page_tables:
-            for table in tables:
-                lens.append(len(table))
-                pages += table
-        payload = list(inputs.query_lens) + list(inputs.context_lens) + lens + pages
-        groups = len(inputs.page_tables[0]) if inputs.page_tables else 0
-        self._header(FORWARD, len(inputs.query_lens), groups, len(payload))
-        self.tp.broadcast(torch.tensor(payload, dtype=torch.int64), on_cpu=True)
+        """Header (FORWARD, B, groups, payload length), then query lens, context lens and each
+        group's `[B, W]` table (W from the length), then the input ids."""
+        b = len(inputs.query_lens)
+        groups = len(inputs.arrays) if inputs.arrays is not None else (
+            len(inputs.page_tables[0]) if inputs.page_tables else 0)
+        parts = [torch.tensor(list(inputs.query_lens) + list(inputs.context_lens),
+                              dtype=torch.int64)]
+        if b:
+            parts += [torch.from_numpy(inputs.group_table(g)).reshape(-1).to(torch.int64)
+                      for g in range(groups)]
+        payload = torch.cat(parts)
+        self._header(FORWARD, b, groups, payload.numel())
+        self.tp.broadcast(payload, on_cpu=True)
         self.tp.broadcast(input_ids)
 
     def send_logits(self, hidden: torch.Tensor) -> None:
@@ -86,21 +89,15 @@ class StepWire:
         """The next message from rank 0 (blocks while the engine idles)."""
         op, a, b, c = self._payload(HEADER)
         if op == FORWARD:
-            vals = self._payload(c)
-            q, ctx = vals[:a], vals[a : 2 * a]
-            lens = vals[2 * a : 2 * a + a * b]
-            pos = 2 * a + a * b
-            tables: list[list[list[int]]] = []
-            for r in range(a):
-                per_group = []
-                for g in range(b):
-                    n = lens[r * b + g]
-                    per_group.append(vals[pos : pos + n])
-                    pos += n
-                tables.append(per_group)
+            vals = self.tp.broadcast(torch.empty(c, dtype=torch.int64), on_cpu=True)
+            q, ctx = vals[:a].tolist(), vals[a : 2 * a].tolist()
+            width = (c - 2 * a) // (a * b) if a * b else 0
+            flat = vals[2 * a :].to(torch.int32).numpy()
+            arrays = [flat[g * a * width : (g + 1) * a * width].reshape(a, width)
+                      for g in range(b)]
             ids = torch.empty(sum(q), dtype=torch.int64, device=self.tp.device)
             self.tp.broadcast(ids)
-            return Message(op, inputs=AttentionInputs(q, ctx, tables), input_ids=ids)
+            return Message(op, inputs=AttentionInputs(q, ctx, arrays=arrays), input_ids=ids)
         if op == LOGITS:
             hidden = torch.empty(a, self.hidden_size, dtype=self.dtype, device=self.tp.device)
             return Message(op, hidden=self.tp.broadcast(hidden))

@@ -23,6 +23,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -171,7 +172,7 @@ class DecodeGraphs:
         self,
         token_ids: list[int],
         positions: list[int],
-        page_tables: list[list[list[int]]],  # [request][group] -> pages
+        tables: list[np.ndarray],  # per group [n, W] int32, zero-padded (table_arrays)
         fill: DeviceTokens | None = None,  # token ids still on the device
     ) -> torch.Tensor:
         """Logits `[n, vocab]` (float32) of one decode step for n <= max_bs requests."""
@@ -187,21 +188,19 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(seq, non_blocking=True)
         if fill is not None:
             fill.apply(self.input_ids)
+        pos = np.asarray(positions, dtype=np.int64)
+        rows = np.arange(n)
         for g in range(len(self.tables)):
-            rows = [pt[g] for pt in page_tables]
-            width = max(len(r) for r in rows)
-            table = torch.tensor(
-                [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * (bs - n),
-                dtype=torch.int32,
-            )
-            slots = torch.tensor(
-                [r[p // ps] * ps + p % ps for r, p in zip(rows, positions)] + [-1] * (bs - n),
-                dtype=torch.int64,
-            )
+            arr = tables[g]
+            width = arr.shape[1]
+            table = np.zeros((bs, width), dtype=np.int32)
+            table[:n] = arr
+            slots = np.full(bs, -1, dtype=np.int64)
+            slots[:n] = arr[rows, pos // ps].astype(np.int64) * ps + pos % ps
             # Entries past `width` keep stale page ids from earlier steps: the kernel never
             # reads past a request's seq_len, so they are harmless.
-            self.tables[g][:bs, :width].copy_(table, non_blocking=True)
-            self.slots[g][:bs].copy_(slots, non_blocking=True)
+            self.tables[g][:bs, :width].copy_(torch.from_numpy(table), non_blocking=True)
+            self.slots[g][:bs].copy_(torch.from_numpy(slots), non_blocking=True)
         self.graphs[bs].replay()
         self.last_bucket = bs
         return self.outputs[bs][:n]
@@ -210,7 +209,7 @@ class DecodeGraphs:
         self,
         chunks: list[list[int]],  # per request: 1..q token ids from its next position on
         starts: list[int],  # per request: the position of its first token
-        page_tables: list[list[list[int]]],  # [request][group] -> pages
+        tables: list[np.ndarray],  # per group [n, W] int32, zero-padded (table_arrays)
     ) -> torch.Tensor:
         """Logits `[n, q, vocab]` (float32) of one step where request r computes chunks[r] at
         positions starts[r].. (rows past len(chunks[r]) are padding: drop them)."""
@@ -232,19 +231,18 @@ class DecodeGraphs:
         # Every table entry a row may read (up to start + q, padding included) is written:
         # NULL past the request's own pages.
         width = min(self.max_pages, max(-(-(p0 + q) // ps) for p0 in starts))
+        at = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(q)[None, :]  # [n, q]
+        real = np.arange(q)[None, :] < np.asarray([len(c) for c in chunks])[:, None]
         for g in range(len(self.tables)):
-            rows = [pt[g][:width] for pt in page_tables]
-            table = torch.tensor(
-                [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * (bs - n),
-                dtype=torch.int32,
-            )
-            slots = []
-            for r, chunk, p0 in zip(rows, chunks, starts):
-                slots += [r[p // ps] * ps + p % ps for p in range(p0, p0 + len(chunk))]
-                slots += [-1] * (q - len(chunk))
-            slots += [-1] * ((bs - n) * q)
-            self.tables[g][:bs, :width].copy_(table, non_blocking=True)
-            self.slots[g][:t].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+            arr = tables[g]
+            w = min(width, arr.shape[1])
+            table = np.zeros((bs, width), dtype=np.int32)
+            table[:n, :w] = arr[:, :w]
+            slots = np.full((bs, q), -1, dtype=np.int64)
+            page = table[np.arange(n)[:, None], np.minimum(at // ps, width - 1)]
+            slots[:n] = np.where(real, page.astype(np.int64) * ps + at % ps, -1)
+            self.tables[g][:bs, :width].copy_(torch.from_numpy(table), non_blocking=True)
+            self.slots[g][:t].copy_(torch.from_numpy(slots.reshape(-1)), non_blocking=True)
         self.graphs[bs].replay()
         self.last_bucket = bs
         return self.outputs[bs][: n * q].view(n, q, -1)

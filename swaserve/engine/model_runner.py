@@ -46,7 +46,7 @@ class ModelRunner:
         logits = g.run(
             [r.tokens(r.num_computed_tokens, r.num_tokens)[0] for r in reqs],
             [r.num_computed_tokens for r in reqs],
-            [memory.page_table(r.request_id) for r in reqs],
+            memory.table_arrays([r.request_id for r in reqs]),
             fill,
         )
         if self.keep:
@@ -71,7 +71,7 @@ class ModelRunner:
         logits = g.run_chunks(
             [r.tokens(r.num_computed_tokens, r.num_computed_tokens + n) for r, n in zip(reqs, ns)],
             [r.num_computed_tokens for r in reqs],
-            [memory.page_table(r.request_id) for r in reqs],
+            memory.table_arrays([r.request_id for r in reqs]),
         )
         if self.keep:
             self.kept = g.kept_rows(list(ns))
@@ -93,7 +93,7 @@ class ModelRunner:
         inputs = AttentionInputs(
             query_lens=list(batch.num_new_tokens),
             context_lens=ctx_lens,
-            page_tables=[memory.page_table(r.request_id) for r in batch.requests],
+            arrays=memory.table_arrays([r.request_id for r in batch.requests]),
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         if fill is not None:

@@ -173,8 +173,8 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                # Drafts past the chunk are not verified (the chunk always holds `last`).
-                del req.draft_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens) :]
+                if req.draft_token_ids:  # drafts past the chunk are not verified (it holds `last`)
+                    del req.draft_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens) :]
                 batch.add(req, n)
                 budget -= n
         if batch:
@@ -253,16 +253,17 @@ class Scheduler:
         while memory stays tight). SWA groups need at most a window of pages."""
         groups = self.memory.layout.groups
         ps = self.memory.page_size
+        full = sum(g.window is None for g in groups)
+        windows = [g.window for g in groups if g.window is not None]
         reserve = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
             end = req.num_computed_tokens + n
             target = max(req.num_tokens + self.expected_new_tokens(req), end + ps)
             grow = -(-target // ps) - -(-end // ps)
-            for g in groups:
-                if g.window is None:
-                    reserve += grow
-                elif end < g.window + ps:  # past that, it retires a page per page it adds
-                    reserve += min(grow, -(-g.window // ps) + 1)
+            reserve += full * grow
+            for w in windows:
+                if end < w + ps:  # past that, it retires a page per page it adds
+                    reserve += min(grow, -(-w // ps) + 1)
         return reserve
 
     def expected_new_tokens(self, req: Request) -> int:

@@ -39,8 +39,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from swaserve.memory.groups import GroupLayout
 from swaserve.memory.pool import NULL_PAGE, PagePool
+from swaserve.memory.table_mirror import TableMirror
 
 
 class RequestLike(Protocol):
@@ -80,6 +83,7 @@ class _RequestPages:
     tables: list[list[int]]  # per group
     first_live: list[int]  # per group: slots below are NULL, slots from here are real pages
     num_tokens: int = 0  # tokens covered: len(table) == ceil(num_tokens / page_size)
+    row: int = -1  # the request's row in the manager's TableMirror
 
 
 class MemoryManager:
@@ -96,6 +100,8 @@ class MemoryManager:
         self.watermark_pages = watermark_pages
         self._swa = [(g.index, g.window) for g in layout.groups if g.kind == "swa"]
         self._requests: dict[str, _RequestPages] = {}
+        # the tables again as array rows, for building a step's tables (table_arrays)
+        self._mirror = TableMirror(len(layout.groups))
         # Per page: references held by request page tables; per group: distinct such pages.
         self._req_refs = [0] * num_pages
         self._group_pages = [0] * len(layout.groups)
@@ -125,6 +131,14 @@ class MemoryManager:
 
         Raises KeyError for a request with nothing allocated."""
         return [list(t) for t in self._requests[request_id].tables]
+
+    def table_arrays(self, request_ids: Iterable[str]) -> list[np.ndarray]:
+        """Per group, the requests' page tables as one new `[B, W]` int32 array, W the longest
+        table (at least 1), zeros (NULL_PAGE) after each request's own entries. Raises KeyError
+        for a request with nothing allocated."""
+        sts = [self._requests[rid] for rid in request_ids]
+        width = max(1, _ceil_div(max((st.num_tokens for st in sts), default=0), self.page_size))
+        return self._mirror.gather([st.row for st in sts], width)
 
     def max_request_tokens(self) -> int:
         """The most tokens one request alone can hold: the largest L (a whole number of pages)
@@ -192,12 +206,22 @@ class MemoryManager:
         """Retire what is out of window, then cover num_computed_tokens + num_new_tokens tokens
         in every group. All groups or none: on False nothing has changed (not even retirement).
         Does not keep the watermark: that margin is for running requests."""
+        st = self._requests.get(request.request_id)
+        c, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
+        if (st is not None and 0 <= num_new_tokens and c <= st.num_tokens
+                and end <= len(st.tables[0]) * self.page_size
+                and all(self._dead_slots(c, w) <= st.first_live[g] for g, w in self._swa)):
+            # Within the pages it has (most decode steps: 15 of 16 with 16-token pages) and
+            # no window retirement due: nothing to take from the pool.
+            st.num_tokens = max(st.num_tokens, end)
+            return True
         needed = self.pages_needed(request, num_new_tokens)
         if needed > self._free_after_retire(request):
             return False
         st = self._requests.get(request.request_id)
         if st is None:
-            st = _RequestPages([[] for _ in self.layout.groups], [0] * len(self.layout.groups))
+            st = _RequestPages([[] for _ in self.layout.groups], [0] * len(self.layout.groups),
+                               row=self._mirror.add_row())
             self._requests[request.request_id] = st
         self.pool.decref(self._retire(st, request.num_computed_tokens))
         pages = self.pool.alloc(needed)
@@ -205,6 +229,8 @@ class MemoryManager:
         per_group = needed // len(self.layout.groups)
         for g, table in enumerate(st.tables):  # extension slots are >= first_live: all live
             new = pages[g * per_group : (g + 1) * per_group]
+            if new:
+                self._mirror.write(st.row, g, len(table), new)
             table.extend(new)
             for p in new:
                 self._add_ref(p, g)
@@ -236,6 +262,7 @@ class MemoryManager:
             for p in table[st.first_live[g] :]:
                 self._drop_ref(p, g)
                 dropped.append(p)
+        self._mirror.drop_row(st.row, len(st.tables[0]))
         return self.pool.decref(dropped)
 
     def attach_prefix(self, request_id: str, tables: list[list[int]], num_tokens: int) -> None:
@@ -262,9 +289,11 @@ class MemoryManager:
         if len(set(live)) != len(live):
             raise ValueError("a page appears twice in the attached tables")
         self.pool.incref(live)  # raises, changing nothing, on a free page
-        st = _RequestPages([list(t) for t in tables], first_live, num_tokens)
+        st = _RequestPages([list(t) for t in tables], first_live, num_tokens,
+                           self._mirror.add_row())
         self._requests[request_id] = st
         for g, table in enumerate(st.tables):
+            self._mirror.write(st.row, g, 0, table)
             for p in table[first_live[g] :]:
                 self._add_ref(p, g)
 
@@ -287,6 +316,7 @@ class MemoryManager:
             self.pool.incref([page])
             self._add_ref(page, g)
             st.tables[g][slot] = page
+            self._mirror.write(st.row, g, slot, [page])
             self._drop_ref(old, g)
             dropped.append(old)
         return self.pool.decref(dropped)
@@ -368,6 +398,10 @@ class MemoryManager:
                 assert 0 <= first <= length, f"{where}: first_live {first} of {length}"
                 assert group.is_swa or first == 0, f"{where}: full group with retired slots"
                 assert all(p == NULL_PAGE for p in table[:first]), f"{where}: live below cursor"
+                mirrored = self._mirror.row(st.row, group.index)
+                assert mirrored[:length].tolist() == table and not mirrored[length:].any(), (
+                    f"{where}: the table mirror differs from the table"
+                )
                 for p in table[first:]:
                     assert 0 < p < pool.num_pages, f"{where}: bad page {p} at/after cursor"
                     assert owner.setdefault(p, group.index) == group.index, (
@@ -401,6 +435,7 @@ class MemoryManager:
         assert len(free) + referenced == pool.capacity, (
             f"free {len(free)} + referenced {referenced} != capacity {pool.capacity}"
         )
+        self._mirror.check([st.row for st in self._requests.values()])
         per_group = Counter(owner.values())
         for g in self.layout.groups:
             assert self._group_pages[g.index] == per_group[g.index], (
@@ -453,6 +488,7 @@ class MemoryManager:
                 self._drop_ref(table[i], g)
                 dropped.append(table[i])
                 table[i] = NULL_PAGE
+            self._mirror.clear(st.row, g, start, end)
             st.first_live[g] = end
         return dropped
 
