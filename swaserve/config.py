@@ -14,6 +14,8 @@ from typing import NamedTuple
 import torch
 
 BIG_GPU_BYTES = 70 * 2**30  # vLLM's line for its larger defaults (H100/H200 class)
+GRAPH_MAX_BS = 128  # --cuda-graph-max-bs by default, and the cap of verify graphs
+GRAPH_MAX_BS_BIG = 512  # --cuda-graph-max-bs by default on a big GPU
 
 
 @dataclass
@@ -46,7 +48,9 @@ class EngineConfig:
     disable_overlap_schedule: bool = False
     # Triton RMSNorm / rotary / activation kernels on CUDA (eager torch elsewhere).
     disable_fused_ops: bool = False
-    cuda_graph_max_bs: int = 128  # CUDA only; 0 disables
+    # CUDA only; 0 disables. None: by device (`with_device_defaults`): 512 on a GPU of >= 70
+    # GiB (at most max_num_seqs), else 128.
+    cuda_graph_max_bs: int | None = None
     # Piecewise graphs (all but attention) for the other steps; None: min(budget, 2048).
     piecewise_cuda_graph_max_tokens: int | None = None  # CUDA only; 0 disables
     chat_template: str | None = None
@@ -105,6 +109,8 @@ class EngineConfig:
             none_ok = value is None and _DEFAULTS[name] is None  # None: the flag not given
             if info.choices and value not in info.choices and not none_ok:
                 raise bad(name, "must be " + _one_of(info.choices))
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
+            raise bad("cuda_graph_max_bs", "must be >= 0 (0: no CUDA graphs)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
@@ -270,10 +276,17 @@ class EngineConfig:
             torch.cuda.get_device_properties(device).total_memory >= BIG_GPU_BYTES
         )
         seqs, tokens = (1024, 8192 if server else 16384) if big else (256, 2048)
+        seqs = self.max_num_seqs or seqs
+        # Decode batches up to 512 as CUDA graphs on a big GPU: hundreds of requests decode
+        # at once there, and a decode step above the largest graph runs piecewise (attention
+        # launched from Python per layer): 10,259 -> 11,094 output tok/s offline on an H200
+        # with graphs to 512 instead of 128 (benchmarks/RESULTS.md, 2026-12-02).
+        graphs = min(seqs, GRAPH_MAX_BS_BIG) if big else GRAPH_MAX_BS
         return dataclasses.replace(
             self,
-            max_num_seqs=self.max_num_seqs or seqs,
+            max_num_seqs=seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or tokens,
+            cuda_graph_max_bs=graphs if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs,
         )
 
     def torch_device(self) -> torch.device:
@@ -388,7 +401,8 @@ FLAGS: dict[str, FlagInfo] = {
         "GPU", "attention kernels", ("torch", "triton"), default="triton on CUDA, torch elsewhere"
     ),
     "cuda_graph_max_bs": FlagInfo(
-        "GPU", "largest decode batch run as a CUDA graph; 0: no CUDA graphs at all"
+        "GPU", "largest decode batch run as a CUDA graph; 0: no CUDA graphs at all",
+        default="512 on a GPU of >= 70 GiB (at most --max-num-seqs), else 128",
     ),
     "piecewise_cuda_graph_max_tokens": FlagInfo(
         "GPU",

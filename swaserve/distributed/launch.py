@@ -265,7 +265,7 @@ def start_tensor_parallel(config: EngineConfig, folder: Path) -> TensorParallel:
     """Rank 0: host the rendezvous, spawn this node's other ranks, join the groups."""
     size = config.tensor_parallel_size
     device = worker_device(config, 0)
-    apply_nccl_guard(device.type == "cuda" and config.cuda_graph_max_bs > 0, size)
+    apply_nccl_guard(device.type == "cuda" and config.cuda_graph_max_bs != 0, size)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         log.info("tensor parallelism on CPU: %d threads per rank", share_cpu_cores(size))
@@ -290,7 +290,7 @@ def run_node(config: EngineConfig, folder: Path) -> int:
     per_node = config.tensor_parallel_size // config.nnodes
     first = config.node_rank * per_node
     apply_nccl_guard(
-        worker_device(config, first).type == "cuda" and config.cuda_graph_max_bs > 0,
+        worker_device(config, first).type == "cuda" and config.cuda_graph_max_bs != 0,
         config.tensor_parallel_size,
     )
     host, port = _rendezvous(config)

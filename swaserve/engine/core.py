@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swaserve.attention import backend_class
-from swaserve.config import EngineConfig
+from swaserve.config import GRAPH_MAX_BS, EngineConfig
 from swaserve.engine.forward_batch import DeviceTokens
 from swaserve.engine.limits import (
     ContextLimit,
@@ -411,8 +411,10 @@ class EngineCore:
             pieces.capture()
             self.runner.piecewise = pieces
         if self.spec is not None and self.spec.k > 0:
+            # at most GRAPH_MAX_BS requests: each graph holds [bs * (K + 1), vocab] logits
             verify = DecodeGraphs(
-                self.model, backend, self.kv, self.config.cuda_graph_max_bs, self.max_model_len,
+                self.model, backend, self.kv, min(self.config.cuda_graph_max_bs, GRAPH_MAX_BS),
+                self.max_model_len,
                 shape, tokens_per_request=self.spec.k + 1, keep_layers=keep, after=after,
             )
             verify.capture()
