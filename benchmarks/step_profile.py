@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an Engine keyword (int, float or str), e.g. max_num_batched_tokens=8192")
     ap.add_argument("--label", default="defaults")
+    ap.add_argument("--torch-profile-steps", type=int, default=0, metavar="N",
+                    help="instead of the table: N steps after the warm-up under torch.profiler, "
+                         "then the kernels by GPU time (and a chrome trace under $OUT)")
     ap.add_argument("--workload", default="offline",
                     help="a workload of benchmarks/vs_vllm.py (its model, KV budget, requests)")
     args = ap.parse_args()
@@ -142,7 +145,7 @@ def main() -> None:
 
     core._launch = launch_timed
     steps, out_tokens = 0, 0
-    wall0 = None
+    wall0 = time.perf_counter() if args.warmup_steps <= 0 else None  # 0: count every step
     while core.has_unfinished():
         host.clear()
         graph_hit[0] = False
@@ -151,6 +154,9 @@ def main() -> None:
         outs = core.step()
         dt = time.perf_counter() - t
         steps += 1
+        if args.torch_profile_steps and steps == args.warmup_steps:
+            _kernel_profile(core, args.torch_profile_steps)
+            return
         if steps == args.warmup_steps:
             torch.cuda.synchronize()
             wall0 = time.perf_counter()
@@ -204,6 +210,33 @@ def main() -> None:
     if out:
         with open(os.path.join(out, f"step_profile_{args.label}.json"), "w") as f:
             json.dump(record, f, indent=1)
+
+
+def _kernel_profile(core, n: int) -> None:
+    """n engine steps under torch.profiler: GPU time by kernel, the steps' wall time, and how
+    many of the wall's milliseconds the GPU spent in kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        reqs = 0
+        for _ in range(n):
+            core.step()
+            reqs += len(core.scheduler.running)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    events = prof.key_averages()
+    kernels = [e for e in events if str(e.device_type).endswith("CUDA")]
+    total = sum(e.self_device_time_total for e in kernels) / 1e3
+    print(f"\n{n} steps (~{reqs / n:.0f} running requests) in {wall * 1e3:.1f} ms wall "
+          f"(under the profiler), GPU kernels {total:.1f} ms ({total / (wall * 1e3):.0%})")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30,
+                                    max_name_column_width=60))
+    out = os.environ.get("OUT")
+    if out:
+        prof.export_chrome_trace(os.path.join(out, "step_trace.json"))
 
 
 if __name__ == "__main__":
