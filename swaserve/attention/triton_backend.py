@@ -43,6 +43,9 @@ class TritonMetadata:
     # Fixed split-KV count (CUDA graphs: the launch must not depend on the step's lengths);
     # None lets `paged_attention` choose from max_seq_len.
     num_splits: int | None = None
+    # the shortest query run (host): a batch of decodes beside a prefill chunk takes one
+    # attention launch per kind (paged_attention); None: one launch for all
+    min_query_len: int | None = None
 
 
 def _kv_scales(kv: object, layer_id: int) -> tuple[float, float]:
@@ -93,6 +96,7 @@ class TritonBackend(AttentionBackend):
             max_query_len=max_q,
             max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
             decode_only=max_q == 1,
+            min_query_len=min(inputs.query_lens, default=0),
         )
 
     def forward(
@@ -132,4 +136,5 @@ class TritonBackend(AttentionBackend):
             k_new=k if fresh else None,
             v_new=v if fresh else None,
             out=out,
+            min_query_len=meta.min_query_len,
         )

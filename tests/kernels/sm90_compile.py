@@ -24,6 +24,10 @@ CASES = [
     ("mixed fp8 fresh D64 G8 window sinks", torch.bfloat16, "fp8", 64, 8, 8, 128, 0.0, True, 1,
      True),
     ("decode fp8 D128 G4 16 splits", torch.bfloat16, "fp8", 128, 4, 1, 0, 0.0, False, 16, False),
+    # the decode launch of a mixed fp8 batch: the decode tile with the fresh-K/V paths
+    ("mixed-decode fp8 fresh D128 G4 2 splits", torch.bfloat16, "fp8", 128, 4, 1, 0, 0.0, False,
+     2, True),
+    ("mixed-decode fp8 fresh D32 G4", torch.bfloat16, "fp8", 32, 4, 1, 0, 0.0, False, 1, True),
     ("prefill bf16 D128 G4", torch.bfloat16, torch.bfloat16, 128, 4, 1000, 0, 0.0, False, 1,
      False),
     # head_dim 8 (the tiny DFlash test drafter): tl.dot needs K >= 16 on the GPU
@@ -61,7 +65,7 @@ def compile_case(case: tuple) -> None:
         elif name.startswith("stride_"):
             sig[name] = "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("num_seqs", "window"):
+        elif name in ("num_seqs", "window", "min_q_len", "max_q_len"):
             sig[name] = "i32"
         else:
             sig[name] = "fp32"

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+import swaserve.attention.kernels.paged_attention as pa  # noqa: E402
 from swaserve.attention.base import AttentionInputs, slot_mapping  # noqa: E402
 from swaserve.attention.kernels.paged_attention import (  # noqa: E402
     MAX_SPLITS,
@@ -64,6 +65,8 @@ class Case:
     v_new: torch.Tensor | None = None
 
     def run(self, **kw) -> torch.Tensor:
+        # as the backend calls it: with the shortest query run (mixed batches: two launches)
+        kw.setdefault("min_query_len", min(self.qlens))
         return paged_attention(
             self.q, self.k_cache, self.v_cache, self.block_table, self.qsl, self.seq_lens,
             max_query_len=max(self.qlens), max_seq_len=int(self.seq_lens.max()),
@@ -299,6 +302,41 @@ def test_triton_split_kv_matches_unsplit(num_splits, window, use_sinks):
     assert not split.isnan().any()
     assert (split - whole).abs().max().item() < 1e-5
     assert (split - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "qlens,ctxs,window,use_sinks,fresh",
+    [
+        ([1, 1, 40, 1], [600, 700, 10, 530], 0, False, False),  # decodes split, chunk whole
+        ([1, 3, 1, 9, 2], [900, 620, 0, 30, 515], 0, True, False),  # short verify runs too
+        ([1, 40, 1], [700, 5, 560], 300, False, False),  # windowed
+        ([1, 1, 24], [600, 650, 100], 0, False, True),  # fp8, the chunk reads its own K/V
+    ],
+)
+def test_triton_mixed_batch_two_launches(qlens, ctxs, window, use_sinks, fresh, monkeypatch):
+    """A batch of decode-sized runs beside longer ones: one launch per kind (the decodes with
+    the decode tile and key splits), equal to one launch for all and to the reference."""
+    case = make_case(qlens, ctxs, group=4, head_dim=32, window=window, seed=90 + len(qlens),
+                     kv_dtype=FP8 if fresh else torch.float32, fresh=fresh)
+    sinks = torch.randn(case.q.shape[1], device=DEVICE) if use_sinks else None
+    launches = []
+    real = pa._launch
+
+    def spy(*args, **kw):
+        launches.append((args[7].block_m, args[8], args[9]))  # cfg, num_splits, q_lens
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pa, "_launch", spy)
+    two = case.run(scale=0.2, sinks=sinks)
+    assert [q for _, _, q in launches] == [(1, 4), (5, pa.ANY_Q_LEN)], launches
+    assert launches[0][0] == 16 and launches[1][0] > 16
+    one = case.run(scale=0.2, sinks=sinks, min_query_len=None)
+    assert len(launches) == 3
+    ref = case.reference(0.2, sinks=sinks)
+    assert not two.isnan().any()
+    atol = 1e-4 if not fresh else 3e-2
+    assert (two - one).abs().max().item() < 1e-5
+    assert (two.float() - ref).abs().max().item() < atol
 
 
 def test_triton_split_kv_heuristic():

@@ -70,6 +70,8 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 FP8 = torch.float8_e4m3fn
 MAX_SPLITS = 64
+MAX_SPLIT_BYTES = 64 << 20  # split-KV partials of one launch, at most
+ANY_Q_LEN = 2**31 - 1  # a launch's upper bound on q_len when it takes every request
 MIN_KEYS_PER_SPLIT = 256  # a split below this spends more on the merge than it saves
 CPU_NUM_SMS = 132  # H200: on CPU (interpreter) the heuristics behave as on the target GPU
 
@@ -443,6 +445,8 @@ def _paged_attn_kernel(
     k_new_ptr,  # [T, Hkv, D] the step's own K/V (FRESH_NEW only)
     v_new_ptr,
     num_seqs,
+    min_q_len,  # programs of requests with fewer or more new tokens return at once (a mixed
+    max_q_len,  # batch's decodes and its prefill chunks go to two launches of their own tiles)
     window,
     qk_scale_log2,  # scale * k_scale * log2(e)
     cap_scale,  # scale * k_scale / softcap
@@ -492,7 +496,7 @@ def _paged_attn_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     q_block = pid - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
+    if (q_block * BLOCK_Q >= q_len) | (q_len < min_q_len) | (q_len > max_q_len):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
@@ -732,6 +736,7 @@ def paged_attention(
     config: AttentionConfig | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    min_query_len: int | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention; returns `[T, H, D]` in q's dtype.
 
@@ -747,6 +752,9 @@ def paged_attention(
     with more than one new token reads its new tokens' keys from them instead of from the cache
     (those cache slots are not read), so a prefill chunk attends to itself at full precision
     and only the cached prefix goes through fp8; a decode token reads the cache only.
+    `min_query_len` (host int, optional): the batch's shortest query run; with a default
+    `config` and `num_splits`, a batch mixing decode-sized and longer runs takes two launches,
+    each with its own tiles.
     """
     t, h, d = q.shape
     num_pages, page_size, hkv, dk = k_cache.shape
@@ -759,25 +767,83 @@ def paged_attention(
     if t == 0 or num_seqs == 0:
         return out
     group = h // hkv
-    cfg = config or attention_config(d, group, max_query_len, k_cache.dtype)
-    assert cfg.block_m == cfg.block_q * triton.next_power_of_2(group), cfg
-    if num_splits is None:
-        max_kv_len = max_seq_len if window <= 0 else min(max_seq_len, window + max_query_len - 1)
-        num_splits = choose_num_splits(
-            num_seqs, hkv, max_query_len, max_kv_len, cfg.block_q, _num_sms(q.device)
-        )
-    num_splits = triton.next_power_of_2(max(1, num_splits))
-
     fresh_new = k_new is not None
     if fresh_new:
         assert v_new is not None and k_new.shape == v_new.shape == (t, hkv, d)
         assert k_new.stride(2) == 1 and v_new.stride(2) == 1
     else:
         k_new = v_new = q  # dummy pointers, never read
+    launch = functools.partial(
+        _launch, q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens,
+        max_seq_len=max_seq_len, scale=scale, window=window, softcap=softcap, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale, k_new=k_new, v_new=v_new, fresh_new=fresh_new,
+    )
+    if config is None and num_splits is None and min_query_len is not None:
+        # A mixed batch (decodes beside a prefill chunk): one launch would give every decode a
+        # prefill-sized tile (up to 128 rows for its G real ones) and 8 warps. The requests of
+        # one decode tile's query block (q_len <= its BLOCK_Q) get their own launch with the
+        # decode tile and its key splits; the longer ones the prefill tile. Each launch's
+        # programs for the other kind return at once.
+        small = attention_config(d, group, 1, k_cache.dtype)
+        if min_query_len <= small.block_q < max_query_len:
+            # Order matters: the decode launch's split merge writes every row of `out`, and
+            # the prefill launch, after it on the stream, rewrites its own requests' rows.
+            launch(small, None, (1, small.block_q), small.block_q)
+            big = attention_config(d, group, max_query_len, k_cache.dtype)
+            launch(big, 1, (small.block_q + 1, ANY_Q_LEN), max_query_len)
+            return out
+    cfg = config or attention_config(d, group, max_query_len, k_cache.dtype)
+    launch(cfg, num_splits, (0, ANY_Q_LEN), max_query_len)
+    return out
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cfg: AttentionConfig,
+    num_splits: int | None,
+    q_lens: tuple[int, int],
+    max_query_len: int,
+    *,
+    max_seq_len: int,
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    fresh_new: bool,
+) -> None:
+    """One `_paged_attn_kernel` launch (and its split merge) over the requests whose new
+    tokens number q_lens[0] to q_lens[1], writing their rows of `out`; `max_query_len` is the
+    most of them (it bounds the keys a query block sees, for the splits)."""
+    t, h, d = q.shape
+    hkv = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    group = h // hkv
+    assert cfg.block_m == cfg.block_q * triton.next_power_of_2(group), cfg
+    if num_splits is None:
+        max_kv_len = max_seq_len if window <= 0 else min(max_seq_len, window + max_query_len - 1)
+        num_splits = choose_num_splits(
+            num_seqs, hkv, max_query_len, max_kv_len, cfg.block_q, _num_sms(q.device)
+        )
+        # The partials take [T, H, splits, D] floats, T all the batch's rows: beside a long
+        # prefill chunk (the decode launch of a mixed batch) that bounds the splits.
+        row_bytes = t * h * triton.next_power_of_2(max(16, d)) * 4
+        while num_splits > 1 and num_splits * row_bytes > MAX_SPLIT_BYTES:
+            num_splits //= 2
+    num_splits = triton.next_power_of_2(max(1, num_splits))
     consts = kernel_constexprs(
-        q.dtype, k_cache.dtype, d, group, page_size, cfg, window=window, softcap=softcap,
-        use_sinks=sinks is not None, num_splits=num_splits, fresh_new=fresh_new,
-        interpret=_interpreting(), fp8_cvt=_has_fp8_cvt(q.device),
+        q.dtype, k_cache.dtype, d, group, k_cache.shape[1], cfg, window=window,
+        softcap=softcap, use_sinks=sinks is not None, num_splits=num_splits,
+        fresh_new=fresh_new, interpret=_interpreting(), fp8_cvt=_has_fp8_cvt(q.device),
     )
     d_pad = consts["D_PAD"]
     qk_scale = scale * k_scale
@@ -803,6 +869,8 @@ def paged_attention(
         k_new,
         v_new,
         num_seqs,
+        q_lens[0],
+        q_lens[1],
         max(0, window),
         qk_scale * LOG2E,
         qk_scale / softcap if softcap else 0.0,
@@ -844,7 +912,6 @@ def paged_attention(
             USE_SINKS=use_sinks,
             num_warps=4 if d_pad <= 128 else 8,
         )
-    return out
 
 
 # ---- K/V store --------------------------------------------------------------------------------
