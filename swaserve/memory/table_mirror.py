@@ -69,8 +69,9 @@ class TableMirror:
         assert len(set(used)) == len(used), "two requests share a table mirror row"
         assert all(0 <= r < self._next_row for r in used), "a row never handed out"
         assert not set(used) & set(self._free_rows), "a row in use is on the free list"
-        for row in self._free_rows:
-            assert not any(a[row].any() for a in self.arrays), f"free row {row} is not zero"
+        if self._free_rows:
+            free = np.asarray(self._free_rows, dtype=np.intp)
+            assert not any(a[free].any() for a in self.arrays), "a free row is not zero"
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
         old_rows, old_width = self.arrays[0].shape
