@@ -33,6 +33,12 @@ class AttentionInputs:
     # request's entries (MemoryManager.table_arrays: no per-step list building)
     arrays: list[np.ndarray] | None = None
 
+    @property
+    def num_groups(self) -> int:
+        if self.arrays is not None:
+            return len(self.arrays)
+        return len(self.page_tables[0]) if self.page_tables else 0
+
     def group_table(self, group: int) -> np.ndarray:
         """Group `group`'s tables as a `[B, W]` int32 array, W >= 1, zero-padded."""
         if self.arrays is not None:

@@ -56,8 +56,7 @@ class StepWire:
         """Header (FORWARD, B, groups, payload length), then query lens, context lens and each
         group's `[B, W]` table (W from the length), then the input ids."""
         b = len(inputs.query_lens)
-        groups = len(inputs.arrays) if inputs.arrays is not None else (
-            len(inputs.page_tables[0]) if inputs.page_tables else 0)
+        groups = inputs.num_groups
         parts = [torch.tensor(list(inputs.query_lens) + list(inputs.context_lens),
                               dtype=torch.int64)]
         if b:

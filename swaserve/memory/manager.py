@@ -218,7 +218,6 @@ class MemoryManager:
         needed = self.pages_needed(request, num_new_tokens)
         if needed > self._free_after_retire(request):
             return False
-        st = self._requests.get(request.request_id)
         if st is None:
             st = _RequestPages([[] for _ in self.layout.groups], [0] * len(self.layout.groups),
                                row=self._mirror.add_row())
