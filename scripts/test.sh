@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Installs what the tests need (scripts/setup.sh) and runs the whole suite, slow tests included.
+# Installs what the tests need (scripts/setup.sh) and runs the suite without the tests marked
+# `slow` (multi-process, stress); `scripts/test.sh -m slow` runs those (a later -m wins), and
+# .ci/run runs both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -13,4 +15,5 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # on the 2-core CI machine (13 min serial, 7.5 min parallel); SWASERVE_TEST_WORKERS=0 runs
 # serially, e.g. to debug.
 workers=${SWASERVE_TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, os.cpu_count() or 1))")}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile "$@" tests
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile \
+    -m "not slow" "$@" tests
