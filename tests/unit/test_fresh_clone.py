@@ -280,7 +280,9 @@ def cli_runs():
 
 def _one_line(run: tuple[int, str, float]) -> str:
     rc, err, _ = run
-    lines = [ln for ln in err.splitlines() if "Converting" not in ln]  # first-run GGUF convert
+    # a fresh HOME converts the built-in GGUF first: its notice, progress bar and blank line
+    lines = [ln for ln in err.splitlines()
+             if ln.strip() and "Converting" not in ln and not ln.startswith("swaserve: converting")]
     assert rc != 0 and len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
 
