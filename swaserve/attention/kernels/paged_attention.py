@@ -337,7 +337,8 @@ def _attn_tile(
         else:
             v = vn.to(q.dtype)
             p = p * v_inv  # the accumulator is in cache units (x v_scale at the end)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    # the rescaled accumulator goes into the dot (wgmma accumulates in place on sm_90)
+    acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -402,15 +403,17 @@ def _attn_span(
     INTERPRET: tl.constexpr,
 ):
     """Tiles [t_begin, t_end) of one SOURCE: the masked ones before full_lo (window edge), the
-    unmasked [full_lo, full_hi), the masked ones from full_hi (causal diagonal)."""
-    m_i, l_i, acc = _attn_tiles(
-        t_begin, tl.minimum(full_lo, t_end), q, qpos, lo, last, m_i, l_i, acc, bt_row,
-        k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
-        kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, k_new_ptr,
-        v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, ctx, row0, k_inv, v_inv,
-        PAGE_SIZE, BLOCK_N, D_FULL, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, V_CVT_F16,
-        SOURCE, INTERPRET,
-    )
+    unmasked [full_lo, full_hi), the masked ones from full_hi (causal diagonal). Without a
+    window full_lo is the first tile (t_begin >= full_lo): no window-edge loop is compiled."""
+    if USE_WINDOW:
+        m_i, l_i, acc = _attn_tiles(
+            t_begin, tl.minimum(full_lo, t_end), q, qpos, lo, last, m_i, l_i, acc, bt_row,
+            k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale, cap_log2,
+            kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+            k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, ctx, row0,
+            k_inv, v_inv, PAGE_SIZE, BLOCK_N, D_FULL, True, USE_WINDOW, USE_SOFTCAP,
+            DOT_PRECISION, V_CVT_F16, SOURCE, INTERPRET,
+        )
     m_i, l_i, acc = _attn_tiles(
         tl.maximum(full_lo, t_begin), tl.minimum(full_hi, t_end), q, qpos, lo, last, m_i, l_i,
         acc, bt_row, k_cache_ptr, v_cache_ptr, d, d_valid, window, qk_scale_log2, cap_scale,
