@@ -114,9 +114,11 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = fb.kv.layer_cache(spec.layer_id)
         k_scale, v_scale = _kv_scales(fb.kv, spec.layer_id)
         store_kv(k, v, k_cache, v_cache, gm.slot_mapping, k_scale, v_scale)
-        # fp8: prefill chunks attend to their own K/V at full precision (see paged_attention);
-        # decode-only steps (the CUDA graphs) read the cache alone, as the kernel would
-        fresh = k_cache.dtype == torch.float8_e4m3fn and not meta.decode_only
+        # Steps with chunks (prefill, mixed, verify) may read the chunks' own keys from k/v,
+        # the step's contiguous rows, instead of through the block table: an fp8 cache does
+        # (full precision), another where that is faster (paged_attention); decode-only steps
+        # (the CUDA graphs) read the cache alone, as the kernel would
+        fresh = not meta.decode_only
         return paged_attention(
             q,
             k_cache,

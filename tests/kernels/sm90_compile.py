@@ -30,6 +30,13 @@ CASES = [
     ("mixed-decode fp8 fresh D32 G4", torch.bfloat16, "fp8", 32, 4, 1, 0, 0.0, False, 1, True),
     ("prefill bf16 D128 G4", torch.bfloat16, torch.bfloat16, 128, 4, 1000, 0, 0.0, False, 1,
      False),
+    # a bf16 cache's chunks read their own K/V fresh too (TritonBackend.forward)
+    ("prefill bf16 fresh D128 G4", torch.bfloat16, torch.bfloat16, 128, 4, 1000, 0, 0.0, False,
+     1, True),
+    ("prefill bf16 fresh D256 G4 window softcap", torch.bfloat16, torch.bfloat16, 256, 4, 1000,
+     512, 30.0, False, 1, True),
+    ("mixed bf16 fresh D64 G8 window sinks", torch.bfloat16, torch.bfloat16, 64, 8, 8, 128, 0.0,
+     True, 1, True),
     # head_dim 8 (the tiny DFlash test drafter): tl.dot needs K >= 16 on the GPU
     ("verify f32 fresh D8 G2", torch.float32, torch.float32, 8, 2, 8, 0, 0.0, False, 1, True),
 ]

@@ -751,10 +751,12 @@ def paged_attention(
     `num_splits` None = `choose_num_splits`; an explicit value is rounded up to a power of two.
     `config` None = `attention_config`; an explicit one (benchmarks, tuning sweeps) must have
     `block_m == block_q * next_power_of_2(H // Hkv)`.
-    k_new/v_new `[T, Hkv, D]` (optional, fp8 caches): the step's own K/V, as stored. A request
-    with more than one new token reads its new tokens' keys from them instead of from the cache
-    (those cache slots are not read), so a prefill chunk attends to itself at full precision
-    and only the cached prefix goes through fp8; a decode token reads the cache only.
+    k_new/v_new `[T, Hkv, D]` (optional): the step's own K/V, as stored. A request with more
+    than one new token reads its new tokens' keys from them instead of from the cache (those
+    cache slots are not read): with an fp8 cache always, so a prefill chunk attends to itself
+    at full precision and only the cached prefix goes through fp8; with any other cache (the
+    same values either way) only in a launch of chunks whose new tokens are at least half of
+    the longest request's keys (`fresh_pays`); a decode token reads the cache only.
     `min_query_len` (host int, optional): the batch's shortest query run; with a default
     `config` and `num_splits`, a batch mixing decode-sized and longer runs takes two launches,
     each with its own tiles.
@@ -776,11 +778,16 @@ def paged_attention(
         assert k_new.stride(2) == 1 and v_new.stride(2) == 1
     else:
         k_new = v_new = q  # dummy pointers, never read
+    fp8 = k_cache.dtype == FP8
     launch = functools.partial(
         _launch, q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens,
         max_seq_len=max_seq_len, scale=scale, window=window, softcap=softcap, sinks=sinks,
-        k_scale=k_scale, v_scale=v_scale, k_new=k_new, v_new=v_new, fresh_new=fresh_new,
+        k_scale=k_scale, v_scale=v_scale, k_new=k_new, v_new=v_new,
     )
+    # The fresh reads of a cache in the model dtype are a speed choice (H200, bf16,
+    # benchmarks/attention_tuning.py: +5-17% on prefill chunks with little or no cached prefix,
+    # -11% for a 2k chunk over a 6k prefix, slower decode-tile launches)
+    fresh_pays = fresh_new and (fp8 or max_seq_len <= 2 * max_query_len)
     if config is None and num_splits is None and min_query_len is not None:
         # A mixed batch (decodes beside a prefill chunk): one launch would give every decode a
         # prefill-sized tile (up to 128 rows for its G real ones) and 8 warps. The requests of
@@ -791,12 +798,12 @@ def paged_attention(
         if min_query_len <= small.block_q < max_query_len:
             # Order matters: the decode launch's split merge writes every row of `out`, and
             # the prefill launch, after it on the stream, rewrites its own requests' rows.
-            launch(small, None, (1, small.block_q), small.block_q)
+            launch(small, None, (1, small.block_q), small.block_q, fresh_new=fresh_new and fp8)
             big = attention_config(d, group, max_query_len, k_cache.dtype)
-            launch(big, 1, (small.block_q + 1, ANY_Q_LEN), max_query_len)
+            launch(big, 1, (small.block_q + 1, ANY_Q_LEN), max_query_len, fresh_new=fresh_pays)
             return out
     cfg = config or attention_config(d, group, max_query_len, k_cache.dtype)
-    launch(cfg, num_splits, (0, ANY_Q_LEN), max_query_len)
+    launch(cfg, num_splits, (0, ANY_Q_LEN), max_query_len, fresh_new=fresh_pays)
     return out
 
 
