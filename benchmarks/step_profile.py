@@ -89,7 +89,10 @@ def main() -> None:
     eng = Engine(model=model, load_format="dummy", seed=0, **kw)
     start_s = time.perf_counter() - t0
     core = eng.core
-    if args.workload != "offline":
+    if args.workload == "latency":  # batch 1: one 128-token prompt, as vs_vllm times it
+        rng = random.Random(0)
+        reqs = [([rng.randint(100, VOCAB - 100) for _ in range(128)], 1024)]
+    elif args.workload != "offline":
         reqs = _requests(args.workload, w)
     else:
         reqs = make_requests(args.num_prompts)
