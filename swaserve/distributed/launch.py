@@ -136,10 +136,12 @@ class TensorParallel:
         store: Any,
         threads: int,
         role: str = "tensor-parallel",
+        remote: range = range(0),
     ) -> None:
         self.tp = tp
         self.role = role  # how errors name the ranks ("data-parallel" for expert parallelism)
         self.procs = procs
+        self.remote = remote  # ranks on other nodes (--nnodes): no process handle to watch
         self.store = store  # rank 0 hosts it: kept alive as long as the ranks are
         self.failure: str | None = None
         self._stopping = _Stopping(threads=threads)
@@ -173,7 +175,9 @@ class TensorParallel:
 
     def explain(self) -> RankFailure | None:
         """After an error: the failure of a rank found dead within DEATH_GRACE_S (a vanished
-        peer fails gloo's wait before its process is reaped), or None when all live."""
+        peer fails gloo's wait before its process is reaped); with every local rank alive and
+        ranks on other nodes, those (whose death this node cannot see but through the failed
+        collective); else None."""
         deadline = time.monotonic() + DEATH_GRACE_S
         while True:
             try:
@@ -181,8 +185,17 @@ class TensorParallel:
             except RankFailure as failure:
                 return failure
             if time.monotonic() > deadline:
-                return None
+                break
             time.sleep(0.05)
+        if not self.remote:
+            return None
+        lo, hi = self.remote.start, self.remote.stop - 1
+        ranks = f"rank {lo}" if lo == hi else f"ranks {lo}-{hi}"
+        self.failure = (
+            f"a collective with {self.role} {ranks} on other nodes failed (a node is gone or "
+            "unreachable, or its ranks failed: see its log)"
+        )
+        return RankFailure(f"{self.failure}; the engine cannot continue")
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers and drop the groups: STOP, then terminate whoever lingers; not
@@ -282,7 +295,7 @@ def start_tensor_parallel(config: EngineConfig, folder: Path) -> TensorParallel:
         torch.set_num_threads(threads)
         raise
     log.info("tensor parallelism: %d ranks (%s), rendezvous %s:%d", size, device, host, store.port)
-    return TensorParallel(tp, procs, store, threads)
+    return TensorParallel(tp, procs, store, threads, remote=range(per_node, size))
 
 
 def run_node(config: EngineConfig, folder: Path) -> int:
