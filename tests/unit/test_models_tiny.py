@@ -88,7 +88,11 @@ def test_dummy_load_format_from_config_alone(tmp_path):
     assert len(out[0].token_ids) == 5 and out[0].text == ""  # no tokenizer: ids only
 
 
-@pytest.mark.parametrize("name,params_b", [("llama-3.1-8b", 8.0), ("gemma-3-27b", 27.0)])
+@pytest.mark.parametrize(
+    "name,params_b",
+    [("llama-3.1-8b", 8.0), ("gemma-3-27b", 27.0), ("gpt-oss-20b", 20.9),
+     ("gpt-oss-120b", 116.8), ("qwen3-30b-a3b", 30.5)],
+)
 def test_shipped_shape_configs(name, params_b):
     """The shipped dummy shapes build with the right parameter counts (on meta, no memory)."""
     from swaserve.engine.engine import resolve_folder
