@@ -35,13 +35,14 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+from child_run import run_child  # noqa: E402
 
 CHECK_PROMPTS = 4
 
@@ -252,20 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, __file__, "--side", ARGS.model, layout, step,
                    "--long-requests", str(ARGS.long_requests)] + (["--tiny"] if ARGS.tiny else [])
             t = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True,
-                                      timeout=ARGS.step_timeout)
-                text, rc = proc.stdout + proc.stderr, proc.returncode
-            except subprocess.TimeoutExpired as e:
-                text = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {ARGS.step_timeout} s"
-                rc = "timeout"
-            text = text if isinstance(text, str) else text.decode(errors="replace")
             log = out / f"scale_out_{step}_{layout}.log"
-            log.write_text(text)
-            found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-            if found:
-                row = json.loads(found[-1][7:])
-            else:  # the last error line says why (a refused layout: the engine's own message)
+            row, text, rc = run_child(cmd, ARGS.step_timeout, log)
+            if row is None:  # the last error line says why (a refused layout: the engine's own)
                 errs = [ln for ln in text.splitlines() if "Error" in ln or "timed out" in ln]
                 row = {"layout": layout, "step": step,
                        "error": (errs[-1] if errs else f"rc={rc}")[:200] + f" ({log.name})"}

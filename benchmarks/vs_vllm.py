@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
+from child_run import run_child  # noqa: E402
 from step_profile import digest, make_requests  # noqa: E402  (the peer's request order)
 
 
@@ -237,18 +237,9 @@ def main() -> None:
                 continue
             log = out / f"vs_vllm_{name}_{engine}.log"
             t = time.perf_counter()
-            try:
-                cmd = [sys.executable, __file__, "--side", name, engine,
-                       "--passes", str(args.passes)]
-                proc = subprocess.run(cmd,
-                                      capture_output=True, text=True, timeout=args.timeout)
-                text, rc = proc.stdout + proc.stderr, proc.returncode
-            except subprocess.TimeoutExpired as e:
-                text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out", "timeout"
-            log.write_text(text if isinstance(text, str) else text.decode(errors="replace"))
-            found = [ln for ln in str(text).splitlines() if ln.startswith("RESULT ")]
-            row = (json.loads(found[-1][7:]) if found else
-                   {"workload": name, "engine": engine, "error": f"rc={rc}, see {log.name}"})
+            cmd = [sys.executable, __file__, "--side", name, engine, "--passes", str(args.passes)]
+            row, _, rc = run_child(cmd, args.timeout, log)
+            row = row or {"workload": name, "engine": engine, "error": f"rc={rc}, see {log.name}"}
             rows.append(row)
             print(f"{name} / {engine}: {time.perf_counter() - t:.0f} s {json.dumps(row)}",
                   flush=True)
