@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -21,3 +22,11 @@ def run_child(cmd: list[str], timeout: float, log: Path) -> tuple[dict | None, s
     log.write_text(text)
     found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
     return (json.loads(found[-1][7:]) if found else None), text, rc
+
+
+def record(row: dict, label: str, started: float, jsonl: Path) -> dict:
+    """Print `row` with its wall time since `started` and append it to `jsonl`; returns it."""
+    print(f"{label}: {time.perf_counter() - started:.0f} s {json.dumps(row)}", flush=True)
+    with open(jsonl, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row

@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from child_run import run_child  # noqa: E402
+from child_run import record, run_child  # noqa: E402
 
 CHECK_PROMPTS = 4
 
@@ -62,7 +62,9 @@ def layout_kwargs(layout: str) -> dict:
     raise ValueError(f"unknown layout {layout!r} (tpT, dpD-ep, dpD-ep-nocap, dpD-tpT)")
 
 
-def requests_for(step: str, vocab: int, tiny: bool) -> tuple[list[list[int]], list[int], int]:
+def requests_for(
+    step: str, vocab: int, tiny: bool, long_requests: int
+) -> tuple[list[list[int]], list[int], int]:
     """(prompts, max_tokens, max_num_seqs) of a step; the same for every layout."""
     rng = random.Random(0)
     lo, hi = (8, 40) if tiny else (100, 1024)
@@ -75,7 +77,7 @@ def requests_for(step: str, vocab: int, tiny: bool) -> tuple[list[list[int]], li
         lens = [(rng.randint(lo, hi), rng.randint(lo, hi)) for _ in range(c)]
         return [ids(p) for p, _ in lens], [o for _, o in lens], c
     if step == "long":
-        n = ARGS.long_requests
+        n = long_requests
         plen, olen = (120, 8) if tiny else (16000, 256)
         return [ids(plen) for _ in range(n)], [olen] * n, n
     if step == "latency":
@@ -101,14 +103,14 @@ def build(model: str, layout: str, step: str, tiny: bool, max_num_seqs: int, max
     return Engine(**kw)
 
 
-def run_step(model: str, layout: str, step: str, tiny: bool) -> dict:
+def run_step(model: str, layout: str, step: str, tiny: bool, long_requests: int) -> dict:
     """One layout on one step, in this process: the result row."""
     from swaserve import SamplingParams
     from swaserve.engine.engine import resolve_folder
     from swaserve.weights.loader import load_hf_config
 
     vocab = load_hf_config(resolve_folder(model)).vocab_size
-    prompts, max_tokens, seqs = requests_for(step, vocab, tiny)
+    prompts, max_tokens, seqs = requests_for(step, vocab, tiny, long_requests)
     max_len = max(len(p) for p in prompts) + max(max(max_tokens), 129) + 16
     t0 = time.perf_counter()
     engine = build(model, layout, step, tiny, seqs, max_len)
@@ -173,7 +175,7 @@ def run_step(model: str, layout: str, step: str, tiny: bool) -> dict:
                 torch.cuda.max_memory_allocated() / 2**30, 2)
     except Exception:  # noqa: BLE001 - a report, best effort
         pass
-    engine.core.shutdown() if hasattr(engine.core, "shutdown") else None
+    engine.core.shutdown()
     return row
 
 
@@ -215,7 +217,6 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global ARGS
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-oss-120b", help="a shipped shape or a folder")
@@ -227,34 +228,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU: a tiny random gpt-oss, 2 ranks")
     p.add_argument("--side", nargs=3, metavar=("MODEL", "LAYOUT", "STEP"),
                    help=argparse.SUPPRESS)
-    ARGS = p.parse_args(argv)
+    args = p.parse_args(argv)
     out = Path(os.environ.get("OUT", "bench_out"))
     out.mkdir(parents=True, exist_ok=True)
-    if ARGS.side:  # the child: one row, one JSON line
-        print("RESULT " + json.dumps(run_step(*ARGS.side, tiny=ARGS.tiny)), flush=True)
+    if args.side:  # the child: one row, one JSON line
+        row = run_step(*args.side, tiny=args.tiny, long_requests=args.long_requests)
+        print("RESULT " + json.dumps(row), flush=True)
         return 0
-    if ARGS.tiny:
-        ARGS.model = tiny_model(out)
+    if args.tiny:
+        args.model = tiny_model(out)
         given = sys.argv[1:] if argv is None else argv
         if "--layouts" not in given:
-            ARGS.layouts = ["tp2", "dp2-ep", "dp2-ep-nocap", "dp2-tp2"]
+            args.layouts = ["tp2", "dp2-ep", "dp2-ep-nocap", "dp2-tp2"]
         if "--steps" not in given:
-            ARGS.steps = ["throughput-8", "long", "spec"]
-        ARGS.long_requests = 2
+            args.steps = ["throughput-8", "long", "spec"]
+        args.long_requests = 2
     rows: list[dict] = []
     first_tokens: dict[str, list] = {}
-    for step in ARGS.steps:
-        for layout in ARGS.layouts:
+    for step in args.steps:
+        for layout in args.layouts:
             try:
                 layout_kwargs(layout)
             except ValueError as e:
                 rows.append({"layout": layout, "step": step, "error": str(e)})
                 continue
-            cmd = [sys.executable, __file__, "--side", ARGS.model, layout, step,
-                   "--long-requests", str(ARGS.long_requests)] + (["--tiny"] if ARGS.tiny else [])
+            cmd = [sys.executable, __file__, "--side", args.model, layout, step,
+                   "--long-requests", str(args.long_requests)] + (["--tiny"] if args.tiny else [])
             t = time.perf_counter()
             log = out / f"scale_out_{step}_{layout}.log"
-            row, text, rc = run_child(cmd, ARGS.step_timeout, log)
+            row, text, rc = run_child(cmd, args.step_timeout, log)
             if row is None:  # the last error line says why (a refused layout: the engine's own)
                 errs = [ln for ln in text.splitlines() if "Error" in ln or "timed out" in ln]
                 row = {"layout": layout, "step": step,
@@ -262,16 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             if "check_tokens" in row:
                 ref = first_tokens.setdefault(step, row["check_tokens"])
                 row["tokens_equal"] = row.pop("check_tokens") == ref
-            rows.append(row)
-            print(f"{step} / {layout}: {time.perf_counter() - t:.0f} s {json.dumps(row)}",
-                  flush=True)
-            with open(out / "scale_out.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            rows.append(record(row, f"{step} / {layout}", t, out / "scale_out.jsonl"))
     print(_table(rows))
     return 0
 
-
-ARGS: argparse.Namespace
 
 
 if __name__ == "__main__":

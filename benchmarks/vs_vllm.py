@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
-from child_run import run_child  # noqa: E402
+from child_run import record, run_child  # noqa: E402
 from step_profile import digest, make_requests  # noqa: E402  (the peer's request order)
 
 
@@ -240,11 +240,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--side", name, engine, "--passes", str(args.passes)]
             row, _, rc = run_child(cmd, args.timeout, log)
             row = row or {"workload": name, "engine": engine, "error": f"rc={rc}, see {log.name}"}
-            rows.append(row)
-            print(f"{name} / {engine}: {time.perf_counter() - t:.0f} s {json.dumps(row)}",
-                  flush=True)
-            with open(out / "vs_vllm.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            rows.append(record(row, f"{name} / {engine}", t, out / "vs_vllm.jsonl"))
     print(_table(rows))
 
 
