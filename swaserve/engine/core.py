@@ -230,6 +230,7 @@ class EngineCore:
                             "idle ranks' MoE-only forwards are not captured): running eager")
             else:
                 self._capture_graphs(backend)
+        self._warm_up_kernels(backend)
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None
         self._num_history_requests = 0  # live requests whose sampling reads token values
@@ -422,6 +423,20 @@ class EngineCore:
         if self.dflash_config is not None:
             self.spec.dflash.capture_graphs(min(self.config.cuda_graph_max_bs, DRAFT_GRAPH_MAX_BS),
                                             self.max_model_len, self.kv)
+
+    def _warm_up_kernels(self, backend: Any) -> None:
+        """Compile the attention variants of prefill, mixed and eager decode steps now
+        (swaserve/attention/warmup.py), after the graphs compiled theirs. Single-process GPU
+        engines only: TP and EP ranks run their steps in lock step with workers that would
+        need the same warm-up (they compile on first use, as before)."""
+        from swaserve.attention.triton_backend import TritonBackend
+
+        if (self.device.type != "cuda" or not isinstance(backend, TritonBackend)
+                or self.parallel is not None or self.ep is not None):
+            return
+        from swaserve.attention.warmup import warm_up_attention
+
+        warm_up_attention(self.model, backend, self.kv, self.device)
 
     def _piecewise_max_tokens(self) -> int:
         """Tokens of the largest step with piecewise graphs (0: none), at most the token

@@ -69,11 +69,11 @@ def compile_case(case: tuple) -> None:
         elif name.endswith("_ptr"):
             sig[name] = "*" + ptrs.get(name, tq)
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in fn.do_not_specialize:  # as launched: no "% 16" hint
+            sig[name] = "i32"
         elif name.startswith("stride_"):
             sig[name] = "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("num_seqs", "window", "min_q_len", "max_q_len"):
-            sig[name] = "i32"
         else:
             sig[name] = "fp32"
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
@@ -82,14 +82,48 @@ def compile_case(case: tuple) -> None:
                    options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
+# The split merge (`_reduce_splits`): one variant for every split count (a runtime loop bound).
+REDUCE_CASES = [
+    ("reduce splits D128 bf16", torch.bfloat16, 128, False),
+    ("reduce splits D64 sinks fp32", torch.float32, 64, True),
+]
+
+
+def compile_reduce(case: tuple) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from swaserve.attention.kernels import paged_attention as pa
+
+    _, out_dtype, d, sinks = case
+    fn = pa._reduce_splits
+    tout = {torch.bfloat16: "bf16", torch.float32: "fp32"}[out_dtype]
+    consts = dict(NUM_HEADS=32, HEAD_DIM=d, D_PAD=d, BLOCK_S=pa.REDUCE_BLOCK_S, USE_SINKS=sinks)
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + (tout if name == "out_ptr" else "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET"
     names = sys.argv[1:]
-    for case in CASES:
+    for case, compile_one in [(c, compile_case) for c in CASES] + [
+        (c, compile_reduce) for c in REDUCE_CASES
+    ]:
         if names and case[0] not in names:
             continue
         try:
-            compile_case(case)
+            compile_one(case)
             res = {"case": case[0], "ok": True, "error": ""}
         except Exception as e:  # noqa: BLE001 - reported per case
             res = {"case": case[0], "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}

@@ -30,9 +30,10 @@ Scores live in the log2 domain (`exp2`); the running max starts at -1e30 (finite
 whose first tiles are fully masked keeps alpha = 1, p = 0 and never produces NaN. Sinks (an
 extra logit per head with no value) seed the softmax: m = sink, l = 1.
 
-Split-KV (flash-decoding): with NUM_SPLITS > 1 each program takes a contiguous share of its
-block's key tiles and writes an unnormalised partial (acc, m, l) per row; `_reduce_splits`
-merges them (and adds the sink term once). Chosen by `choose_num_splits`.
+Split-KV (flash-decoding): with SPLIT_KV each program takes a contiguous share of its block's
+key tiles and writes an unnormalised partial (acc, m, l) per row; `_reduce_splits` merges them
+(and adds the sink term once). The split count, chosen by `choose_num_splits`, is the grid's
+third dimension and a runtime value in both kernels, so every count shares one compiled variant.
 
 FP8 KV (float8_e4m3fn): the pool stores round(x / scale); loads convert to the dot dtype and
 the per-layer scales are folded into the score scale (k_scale) and the output (v_scale). With
@@ -58,9 +59,11 @@ raw uint16 there), so dots run in float32 (`DOT_F32`; q still goes through the f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +75,36 @@ FP8 = torch.float8_e4m3fn
 MAX_SPLITS = 64
 MAX_SPLIT_BYTES = 64 << 20  # split-KV partials of one launch, at most
 ANY_Q_LEN = 2**31 - 1  # a launch's upper bound on q_len when it takes every request
+REDUCE_BLOCK_S = 16  # partials the split merge reads per iteration
 MIN_KEYS_PER_SPLIT = 256  # a split below this spends more on the merge than it saves
 CPU_NUM_SMS = 132  # H200: on CPU (interpreter) the heuristics behave as on the target GPU
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_compile_only = False  # set by `compile_only()`: launches compile and return
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[None]:
+    """Within it, this module's kernel launches compile their variant (Triton's `warmup`: no
+    launch, nothing written) and return; under Triton's AsyncCompileMode the compiles run on
+    its executor (swaserve/attention/warmup.py). Not for the interpreter."""
+    global _compile_only
+    _compile_only = True
+    try:
+        yield
+    finally:
+        _compile_only = False
+
+
+def _run(kernel: triton.JITFunction, grid: tuple, *args: object, **kwargs: object) -> None:
+    if _compile_only:
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
 
 
 # ---- configuration ----------------------------------------------------------------------------
@@ -433,7 +460,10 @@ def _attn_span(
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window"])
+# Runtime ints that vary step to step are not specialised (Triton would compile a variant per
+# "== 1" / "% 16 == 0" class of each: the block table's row stride alone doubled the variants,
+# each ~1-2 s of JIT on the first step that needs it).
+@triton.jit(do_not_specialize=["num_seqs", "min_q_len", "max_q_len", "window", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr,
     k_cache_ptr,
@@ -443,8 +473,8 @@ def _paged_attn_kernel(
     qsl_ptr,
     seq_lens_ptr,
     sinks_ptr,
-    part_acc_ptr,  # [T, H, NUM_SPLITS, D_PAD] float32 (split path only)
-    part_ml_ptr,  # [T, H, NUM_SPLITS, 2] float32: running max (log2), denominator
+    part_acc_ptr,  # [T, H, splits, D_PAD] float32 (split path only)
+    part_ml_ptr,  # [T, H, splits, 2] float32: running max (log2), denominator
     k_new_ptr,  # [T, Hkv, D] the step's own K/V (FRESH_NEW only)
     v_new_ptr,
     num_seqs,
@@ -483,7 +513,7 @@ def _paged_attn_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # the split count is the grid's third dimension, not a constexpr
     DOT_F16: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -529,8 +559,8 @@ def _paged_attn_kernel(
         lo = tl.maximum(first - window + 1, 0)
     tile_lo = lo // BLOCK_N
     tile_hi = last // BLOCK_N + 1
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+    if SPLIT_KV:
+        per_split = tl.cdiv(tile_hi - tile_lo, tl.num_programs(2))
         t_begin = tile_lo + split * per_split
         t_end = tl.minimum(t_begin + per_split, tile_hi)
     else:
@@ -539,7 +569,7 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if USE_SINKS and NUM_SPLITS == 1:
+    if USE_SINKS and not SPLIT_KV:
         sink = tl.load(sinks_ptr + head, mask=hg < G, other=0.0).to(tl.float32)
         m_i = sink * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
@@ -605,14 +635,14 @@ def _paged_attn_kernel(
 
     store_mask = row_valid[:, None] & d_valid[None, :]
     tok = (q_start + qi).to(tl.int64)
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc * (v_scale / l_safe)[:, None]
         o_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        # partials of row (tok, head, split): contiguous [T, H, NUM_SPLITS, ...] scratch
-        part = (tok * (tl.num_programs(1) * G) + head) * NUM_SPLITS + split
+        # partials of row (tok, head, split): contiguous [T, H, splits, ...] scratch
+        part = (tok * (tl.num_programs(1) * G) + head) * tl.num_programs(2) + split
         tl.store(
             part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc * v_scale, mask=store_mask
         )
@@ -620,7 +650,7 @@ def _paged_attn_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits(
     part_acc_ptr,
     part_ml_ptr,
@@ -628,34 +658,53 @@ def _reduce_splits(
     out_ptr,
     stride_ot,
     stride_oh,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     USE_SINKS: tl.constexpr,
 ):
-    """Merge the NUM_SPLITS partials of one (token, head) row: out = sum_j acc_j 2^(m_j - M) / L
-    with M = max(m_j [, sink]), L = sum_j l_j 2^(m_j - M) [+ 2^(sink - M)]."""
+    """Merge the `num_splits` partials of one (token, head) row: out = sum_j acc_j 2^(m_j - M) / L
+    with M = max(m_j [, sink]), L = sum_j l_j 2^(m_j - M) [+ 2^(sink - M)]. The splits are read
+    BLOCK_S at a time (the count is a runtime value: one compiled variant for every count)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = tok * NUM_HEADS + head
-    sp = tl.arange(0, NUM_SPLITS)
+    base = row * num_splits
     d = tl.arange(0, D_PAD)
-    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
-    lsum = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
-    m_max = tl.max(m, 0)
+    m_max = tl.full([], -1.0e30, tl.float32)
     if USE_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
         m_max = tl.maximum(m_max, sink)
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(lsum * w, 0)
+    # while loops: the interpreter cannot take a runtime scalar argument as a range() bound
+    s0 = 0
+    while s0 < num_splits:
+        sp = s0 + tl.arange(0, BLOCK_S)
+        m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sp < num_splits, other=-1.0e30)
+        m_max = tl.maximum(m_max, tl.max(m, 0))
+        s0 += BLOCK_S
+    denom = tl.zeros([], tl.float32)
     if USE_SINKS:
         denom += tl.exp2(sink - m_max)
-    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + sp)[:, None] * D_PAD + d[None, :])
-    o = tl.sum(acc * w[:, None], 0) / denom
+    o = tl.zeros([D_PAD], tl.float32)
+    s0 = 0
+    while s0 < num_splits:
+        sp = s0 + tl.arange(0, BLOCK_S)
+        valid = sp < num_splits
+        m = tl.load(part_ml_ptr + (base + sp) * 2, mask=valid, other=-1.0e30)
+        lsum = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=valid, other=0.0)
+        w = tl.where(valid, tl.exp2(m - m_max), 0.0)
+        denom += tl.sum(lsum * w, 0)
+        acc = tl.load(
+            part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :], mask=valid[:, None],
+            other=0.0,
+        )
+        o += tl.sum(acc * w[:, None], 0)
+        s0 += BLOCK_S
     tl.store(
         out_ptr + tok * stride_ot + head * stride_oh + d,
-        o.to(out_ptr.dtype.element_ty),
+        (o / denom).to(out_ptr.dtype.element_ty),
         mask=d < HEAD_DIM,
     )
 
@@ -708,7 +757,7 @@ def kernel_constexprs(
         USE_WINDOW=window > 0,
         USE_SOFTCAP=bool(softcap),
         USE_SINKS=use_sinks,
-        NUM_SPLITS=num_splits,
+        SPLIT_KV=num_splits > 1,
         DOT_F16=dot_f16,
         DOT_F32=dot_f32,
         DOT_PRECISION="ieee" if (dot_f32 or q_dtype == torch.float32) else "tf32",
@@ -865,7 +914,9 @@ def _launch(
     else:
         part_acc = part_ml = out  # unused
     grid = (t // cfg.block_q + num_seqs, hkv, num_splits)
-    _paged_attn_kernel[grid](
+    _run(
+        _paged_attn_kernel,
+        grid,
         q,
         k_cache,
         v_cache,
@@ -908,17 +959,20 @@ def _launch(
         num_stages=cfg.num_stages,
     )
     if num_splits > 1:
-        _reduce_splits[(t, h)](
+        _run(
+            _reduce_splits,
+            (t, h),
             part_acc,
             part_ml,
             sinks_arg,
             out,
             out.stride(0),
             out.stride(1),
+            num_splits,
             NUM_HEADS=h,
             HEAD_DIM=d,
             D_PAD=d_pad,
-            NUM_SPLITS=num_splits,
+            BLOCK_S=REDUCE_BLOCK_S,
             USE_SINKS=use_sinks,
             num_warps=4 if d_pad <= 128 else 8,
         )
@@ -1019,7 +1073,9 @@ def store_kv(
         return
     assert k.stride(2) == 1 and v.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    _store_kv_kernel[(t,)](
+    _run(
+        _store_kv_kernel,
+        (t,),
         k,
         v,
         k_cache,
