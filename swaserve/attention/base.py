@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from swaserve.attention.kernels.rope_store import QKPrologue
     from swaserve.engine.forward_batch import ForwardBatch
     from swaserve.memory.groups import GroupLayout
     from swaserve.models.blocks import AttentionSpec
@@ -61,6 +62,9 @@ def slot_mapping(
 
 
 class AttentionBackend(ABC):
+    # Whether `forward` takes a `prologue` (the q/k norms and rotary, fused with the K/V store)
+    fuses_qk_prologue = False
+
     def __init__(self, layout: GroupLayout, page_size: int, device: torch.device) -> None:
         self.layout = layout
         self.page_size = page_size
@@ -80,6 +84,9 @@ class AttentionBackend(ABC):
         sinks: torch.Tensor | None,
         fb: ForwardBatch,
         out: torch.Tensor | None = None,
+        prologue: QKPrologue | None = None,
     ) -> torch.Tensor:
         """Store k/v `[T, Hkv, D]` in the pool, attend with q `[T, H, D]`; returns `[T, H, D]`
-        (written into `out` when given: the static buffer of piecewise CUDA graphs)."""
+        (written into `out` when given: the static buffer of piecewise CUDA graphs). With a
+        `prologue` (only where `fuses_qk_prologue`), q and k are not normed and rotated yet:
+        the backend does that first, in place, at `fb.positions`."""

@@ -15,6 +15,7 @@ decode token reads its own key from the cache like the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ import torch
 from swaserve.attention.base import AttentionBackend, AttentionInputs
 from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.models.blocks import AttentionSpec
+
+if TYPE_CHECKING:
+    from swaserve.attention.kernels.rope_store import QKPrologue
 
 
 @dataclass
@@ -160,7 +164,12 @@ class TorchBackend(AttentionBackend):
         sinks: torch.Tensor | None,
         fb: ForwardBatch,
         out: torch.Tensor | None = None,
+        prologue: QKPrologue | None = None,
     ) -> torch.Tensor:
+        if prologue is not None:  # not asked for here (fuses_qk_prologue False): eager blocks
+            if prologue.q_norm is not None:
+                q, k = prologue.q_norm(q), prologue.k_norm(k)
+            q, k = prologue.rotary(fb.positions, q, k)
         meta: TorchMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
         fb.kv.store(spec.layer_id, k, v, gm.slot_mapping)

@@ -17,6 +17,7 @@ import torch
 
 from swaserve.attention.base import AttentionBackend, AttentionInputs
 from swaserve.attention.kernels.paged_attention import paged_attention, store_kv
+from swaserve.attention.kernels.rope_store import QKPrologue, qk_rope_store
 from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.memory.groups import GroupLayout
 from swaserve.models.blocks import AttentionSpec
@@ -55,6 +56,8 @@ def _kv_scales(kv: object, layer_id: int) -> tuple[float, float]:
 
 
 class TritonBackend(AttentionBackend):
+    fuses_qk_prologue = True  # q/k norms + rotary + K/V store: one launch (kernels/rope_store.py)
+
     def __init__(self, layout: GroupLayout, page_size: int, device: torch.device) -> None:
         super().__init__(layout, page_size, device)
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -108,12 +111,17 @@ class TritonBackend(AttentionBackend):
         sinks: torch.Tensor | None,
         fb: ForwardBatch,
         out: torch.Tensor | None = None,
+        prologue: QKPrologue | None = None,
     ) -> torch.Tensor:
         meta: TritonMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
         k_cache, v_cache = fb.kv.layer_cache(spec.layer_id)
         k_scale, v_scale = _kv_scales(fb.kv, spec.layer_id)
-        store_kv(k, v, k_cache, v_cache, gm.slot_mapping, k_scale, v_scale)
+        if prologue is not None:
+            qk_rope_store(fb.positions, q, k, v, prologue, k_cache, v_cache, gm.slot_mapping,
+                          k_scale, v_scale)
+        else:
+            store_kv(k, v, k_cache, v_cache, gm.slot_mapping, k_scale, v_scale)
         # Steps with chunks (prefill, mixed, verify) may read the chunks' own keys from k/v,
         # the step's contiguous rows, instead of through the block table: an fp8 cache does
         # (full precision), another where that is faster (paged_attention); decode-only steps

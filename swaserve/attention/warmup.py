@@ -123,8 +123,9 @@ def _each_launch(
         inputs = AttentionInputs(
             list(query_lens), list(context_lens), arrays=[table] * backend.layout.num_groups
         )
-        fb = ForwardBatch(empty, empty, backend, backend.prepare(inputs), kv)
         tokens = sum(query_lens)
+        positions = torch.zeros(tokens, dtype=torch.int64, device=device)  # for the rotary
+        fb = ForwardBatch(empty, positions, backend, backend.prepare(inputs), kv)
         for attn in kinds:
             s = attn.spec
             q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -136,7 +137,7 @@ def _each_launch(
                 q.view(tokens, s.num_heads, s.head_dim),
                 k.view(tokens, s.num_kv_heads, s.head_dim),
                 v.view(tokens, s.num_kv_heads, s.head_dim),
-                s, attn.sinks, fb,
+                s, attn.sinks, fb, prologue=attn.prologue(backend),
             )
             calls += 1
     return calls

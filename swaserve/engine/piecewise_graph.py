@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from swaserve.attention.kernels.rope_store import QKPrologue
 from swaserve.attention.triton_backend import TritonBackend
 from swaserve.engine.cuda_graph import no_collection
 from swaserve.engine.forward_batch import ForwardBatch
@@ -58,6 +59,7 @@ class _Site:
 
     spec: AttentionSpec
     sinks: torch.Tensor | None
+    prologue: QKPrologue | None  # q/k norms + rotary, run eagerly with the K/V store
 
 
 class _Splitter:
@@ -67,6 +69,8 @@ class _Splitter:
 
     def __init__(self, owner: PiecewiseGraphs) -> None:
         self.owner = owner
+        # as the backend that runs between the pieces: the model hands its q/k prologue over
+        self.fuses_qk_prologue = owner.backend.fuses_qk_prologue
         self.graphs: list[torch.cuda.CUDAGraph] | None = None  # None: warm-up, nothing captured
         self.sites: list[_Site] = []
 
@@ -78,13 +82,14 @@ class _Splitter:
         spec: AttentionSpec,
         sinks: torch.Tensor | None,
         fb: ForwardBatch,
+        prologue: QKPrologue | None = None,
     ) -> torch.Tensor:
         o = self.owner
         qs, ks, vs, out = o.views(q.shape[0], spec)
         qs.copy_(q)
         ks.copy_(k)
         vs.copy_(v)
-        self.sites.append(_Site(spec, sinks))
+        self.sites.append(_Site(spec, sinks, prologue))
         if self.graphs is not None:
             self.graphs[-1].capture_end()
             g = torch.cuda.CUDAGraph()
@@ -188,7 +193,7 @@ class PiecewiseGraphs:
         for graph, site in zip(graphs, self.sites):
             graph.replay()
             q, k, v, out = self.views(t, site.spec)
-            backend.forward(q, k, v, site.spec, site.sinks, fb, out=out)
+            backend.forward(q, k, v, site.spec, site.sinks, fb, out=out, prologue=site.prologue)
         graphs[-1].replay()
         self.last_bucket = bucket
         return self.outputs[bucket][:t]

@@ -283,6 +283,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.zeros(h)) if sinks else None
         self.rotary = rotary
+        self._prologue = None  # QKPrologue, built on first use (`prologue`)
         # q|k|v as one GEMM with the weights packed for the CPU (swaserve/ops/cpu_pack.py);
         # q_proj, k_proj and v_proj are then removed.
         self.qkv_proj: nn.Module | None = None
@@ -302,11 +303,25 @@ class Attention(nn.Module):
         q = q.view(t, s.num_heads, s.head_dim)
         k = k.view(t, s.num_kv_heads, s.head_dim)
         v = v.view(t, s.num_kv_heads, s.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = fb.backend.forward(q, k, v, s, self.sinks, fb)
+        prologue = self.prologue(fb.backend)
+        if prologue is None:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
+        out = fb.backend.forward(q, k, v, s, self.sinks, fb, prologue=prologue)
         return self.o_proj(out.reshape(t, s.num_heads * s.head_dim))
+
+    def prologue(self, backend: object) -> Any:
+        """The q/k norms and rotary for `backend` to apply, fused with its K/V store (one
+        launch, swaserve/attention/kernels/rope_store.py), on the fused path of a backend that
+        can; None: this module applies them itself (eager torch, or their own kernels)."""
+        if not (self.fused and getattr(backend, "fuses_qk_prologue", False)):
+            return None
+        if self._prologue is None:
+            from swaserve.attention.kernels.rope_store import QKPrologue
+
+            self._prologue = QKPrologue(self.rotary, self.q_norm, self.k_norm)
+        return self._prologue
 
 
 def layer_windows(config: Any) -> list[int | None]:

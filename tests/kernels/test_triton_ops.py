@@ -319,8 +319,13 @@ def _tiny_configs() -> dict:
 
 
 @pytest.mark.skipif(_CUDA, reason="CPU engine test")
-@pytest.mark.parametrize("name", list(_tiny_configs()))
-def test_triton_fused_ops_model(tmp_path, name):
+@pytest.mark.parametrize(
+    "name,backend",
+    [(name, "torch") for name in _tiny_configs()]
+    # the Triton backend takes the q/k norms and rotary into its K/V store (rope_store.py)
+    + [("llama", "triton"), ("qwen3", "triton"), ("gemma3", "triton")],
+)
+def test_triton_fused_ops_model(tmp_path, name, backend):
     """Per-position logits and greedy tokens of a tiny random model are the same with the fused
     ops and merged projections on as with the eager blocks (float32: equal up to reduction
     order); enabling keeps the state dict and adds no weight memory; disabling gives back the
@@ -333,7 +338,7 @@ def test_triton_fused_ops_model(tmp_path, name):
     save_random_hf_model(cfg, tmp_path)
     engine = Engine(
         model=str(tmp_path), device="cpu", dtype="float32", page_size=4,
-        max_num_batched_tokens=16, kv_cache_gb=0.01,
+        max_num_batched_tokens=16, kv_cache_gb=0.01, attention_backend=backend,
         disable_fused_ops=True,  # eager blocks, not CPU-packed ones: the test fuses them itself
     )  # fmt: skip
     model = engine.core.model
@@ -348,6 +353,8 @@ def test_triton_fused_ops_model(tmp_path, name):
 
     want_logits, want_tokens = run()
     _check_merge_keeps_state(model, lambda m: enable_fused_ops(m) == switched)
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    assert (attn.prologue(engine.core.runner.backend) is not None) == (backend == "triton")
     got_logits, got_tokens = run()
     assert (got_logits - want_logits).abs().max().item() < 1e-4
     assert got_tokens == want_tokens
