@@ -1037,19 +1037,28 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:  # padded token (e.g. a CUDA-graph batch): nothing to store
         return
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
     hh = tl.arange(0, H_PAD)
     d = tl.arange(0, D_PAD)
     mask = (hh < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + tok * stride_kt + hh[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + hh[:, None] * stride_vh + d[None, :], mask=mask)
+    _write_slot(k, v, slot, hh, d, mask, k_cache_ptr, v_cache_ptr, stride_cp, stride_co,
+                stride_ch, stride_dp, stride_do, stride_dh, k_scale, v_scale, PAGE_SIZE, FP8)
+
+
+@triton.jit
+def _write_slot(
+    k, v, slot, hh, d, mask, k_cache_ptr, v_cache_ptr, stride_cp, stride_co, stride_ch,
+    stride_dp, stride_do, stride_dh, k_scale, v_scale, PAGE_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+):  # fmt: skip
+    """Write one token's k/v `[heads, D]` tiles to flat `slot` of the caches; an fp8 cache
+    takes `x / scale` saturated at the largest finite e4m3 value (e4m3fn has no inf)."""
     if FP8:
-        # saturate at the largest finite e4m3 value (e4m3fn has no inf)
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -448.0), 448.0)
-        k = _round_to_e4m3(k)
-        v = _round_to_e4m3(v)
+        k = _round_to_e4m3(tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -448.0), 448.0))
+        v = _round_to_e4m3(tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -448.0), 448.0))
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
     kc = k_cache_ptr + page * stride_cp + off * stride_co + hh[:, None] * stride_ch + d[None, :]
     vc = v_cache_ptr + page * stride_dp + off * stride_do + hh[:, None] * stride_dh + d[None, :]
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

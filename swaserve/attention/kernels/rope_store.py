@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swaserve.attention.kernels.paged_attention import _round_to_e4m3, _run
+from swaserve.attention.kernels.paged_attention import _run, _write_slot
 from swaserve.ops.rounding import rounded
 
 
@@ -97,15 +97,8 @@ def _qk_rope_store_kernel(
     mask = (hh[:, None] < HK) & (d[None, :] < D)
     v = tl.load(V + t.to(tl.int64) * stride_vt + hh[:, None] * stride_vh + d[None, :],
                 mask=mask, other=0.0).to(tl.float32)  # fmt: skip
-    if FP8:
-        k = _round_to_e4m3(tl.minimum(tl.maximum(k / k_scale, -448.0), 448.0))
-        v = _round_to_e4m3(tl.minimum(tl.maximum(v / v_scale, -448.0), 448.0))
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
-    kc = K_CACHE + page * stride_cp + off * stride_co + hh[:, None] * stride_ch + d[None, :]
-    vc = V_CACHE + page * stride_dp + off * stride_do + hh[:, None] * stride_dh + d[None, :]
-    tl.store(kc, k.to(K_CACHE.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(V_CACHE.dtype.element_ty), mask=mask)
+    _write_slot(k, v, slot, hh, d, mask, K_CACHE, V_CACHE, stride_cp, stride_co, stride_ch,
+                stride_dp, stride_do, stride_dh, k_scale, v_scale, PAGE_SIZE, FP8)
 
 
 def qk_rope_store(
