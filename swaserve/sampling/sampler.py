@@ -55,6 +55,16 @@ class SamplerOutput:
     topk_logprobs: Tensor | None = None  # [B, K]
 
 
+def row_argmax(x: Tensor, dim: int = -1) -> Tensor:
+    """`x.argmax(dim)`: the index of the first maximum, NaN counting as the maximum. On CPU
+    `max(dim).indices` gives the same index (documented: the first maximal value) about 3x
+    faster than aten::argmax on [16, 262144] float32 (2.8 -> 1.1 ms, and 4.6 -> 0.9 ms on a
+    strided view): a greedy CPU decode step of Gemma 3 spent ~4% of its time in argmax."""
+    if x.device.type == "cpu":
+        return x.max(dim=dim).indices
+    return x.argmax(dim=dim)
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """The per-request generator for a seeded request, on the device the logits live on."""
     g = torch.Generator(device=device)
@@ -332,17 +342,17 @@ class Sampler:
         t = SamplingTensors.from_rows(rows, logits.shape[1], logits.device, self.eos_token_ids)
 
         if t.plain_greedy:
-            token_ids = logits.argmax(dim=-1)  # fast path: no copy, no softmax, no sort
+            token_ids = row_argmax(logits)  # fast path: no copy, no softmax, no sort
         else:
             # A contiguous float32 copy: the raw logits stay intact for logprobs, and the
             # min_tokens fill indexes the flat view.
             x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             apply_penalties(x, t)
             if t.all_greedy:
-                token_ids = x.argmax(dim=-1)
+                token_ids = row_argmax(x)
             else:
                 # Greedy rows: argmax before temperature and masking (neither moves it).
-                greedy_ids = x.argmax(dim=-1) if t.any_greedy else None
+                greedy_ids = row_argmax(x) if t.any_greedy else None
                 x.div_(t.temperature.unsqueeze(1))
                 apply_top_k_top_p(x, t.top_k, t.top_p, t.max_top_k)
                 apply_min_p(x, t.min_p)
@@ -392,4 +402,4 @@ class Sampler:
         for i, gen in t.seeded_rows:
             q[i].exponential_(generator=gen)
         q.clamp_min_(torch.finfo(q.dtype).tiny)
-        return probs.div_(q).argmax(dim=-1)
+        return row_argmax(probs.div_(q))

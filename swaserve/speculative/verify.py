@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from swaserve.sampling.sampler import row_argmax
+
 
 @dataclass
 class VerifyOutput:
@@ -65,7 +67,7 @@ def verify_drafts(
     valid = pos.unsqueeze(0) < num_drafts.unsqueeze(1)  # [R, K]
     safe_drafts = torch.where(valid, draft_ids, 0)
 
-    target_ids = logits.argmax(dim=-1)  # [R, K + 1]
+    target_ids = row_argmax(logits)  # [R, K + 1]
     greedy_ok = (safe_drafts == target_ids[:, :K]) & valid
     if all(greedy):
         num_accepted = greedy_ok.long().cumprod(dim=1).sum(dim=1)
@@ -102,7 +104,7 @@ def verify_drafts(
     # p == q up to rounding leaves nothing: sample p itself (a rejection is then measure-zero)
     empty = residual.sum(dim=1, keepdim=True) <= 0
     residual = torch.where(empty, p_a, residual)
-    sampled = residual.div_(noise).argmax(dim=1)  # exponential race: an exact draw
+    sampled = row_argmax(residual.div_(noise), dim=1)  # exponential race: an exact draw
     greedy_next = target_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
     next_token = torch.where(greedy, greedy_next, sampled)
     return _output(draft_ids, num_accepted, next_token, pos, K1)

@@ -20,6 +20,7 @@ from swaserve.sampling.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     make_generator,
+    row_argmax,
 )
 
 EOS = 2
@@ -156,6 +157,21 @@ def test_greedy_is_argmax():
     assert out.token_ids.dtype == torch.int64
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert out.logprobs is None and out.topk_ids is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_argmax_is_argmax_with_ties_nan_and_inf(dtype):
+    """The CPU path (max(dim).indices) picks what aten::argmax picks: the first of tied maxima,
+    the first NaN, index 0 of an all -inf row; on strided views and along dim 1 too."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 3, (8, 5000), generator=g).to(dtype)  # many ties at the maximum
+    x[1, 7] = x[1, 4000] = float("nan")
+    x[2] = float("-inf")
+    x[3, 4999] = float("inf")
+    for t in (x, x[:, ::3], x.t().contiguous().t()):
+        assert torch.equal(row_argmax(t), t.argmax(dim=-1))
+    y = x.view(8, 5, 1000)
+    assert torch.equal(row_argmax(y, dim=1), y.argmax(dim=1))
 
 
 def test_greedy_fast_path_bf16():
