@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from swaserve.attention.kernels import rope_store  # noqa: E402
 from swaserve.attention.kernels.rope_store import QKPrologue, qk_rope_store  # noqa: E402
 from swaserve.models.blocks import Rotary  # noqa: E402
 from tests.kernels.test_triton_ops import DEVICE, _close, _norm, _randn  # noqa: E402
@@ -57,7 +58,11 @@ def _case(t, hq, hk, d, dtype, seed):
         (8, 2, 256, 256, "gemma", 1.0),
     ],
 )
-def test_triton_qk_rope_store(hq, hk, d, rot, norm, scale, t, dtype, cache):
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "all-heads"])
+def test_triton_qk_rope_store(hq, hk, d, rot, norm, scale, t, dtype, cache, per_head,
+                              monkeypatch):  # fmt: skip
+    # one program per (token, head), or one per token for all its q heads and one for its k/v
+    monkeypatch.setattr(rope_store, "PER_HEAD_BELOW_TOKENS", 10**9 if per_head else 0)
     cache = cache or dtype
     qkv, q, k, v = _case(t, hq, hk, d, dtype, seed=hq * d + t)
     gen = torch.Generator().manual_seed(3)
