@@ -12,7 +12,10 @@ request cost nearly K + 1 times one), which is too much to predict and cheap to 
                 drafts at all can: the n-gram drafter on a batch of chat answers may find none)
     step time   per batch-size bucket, drafting and not: averages of decode-only steps' wall
                 time (steady, so a few steps tell)
-    warm-up     a bucket's first WARMUP steps draft, the next WARMUP do not
+    warm-up     a bucket's first WARMUP steps draft, the next WARMUP do not; no bucket stops
+                drafting before the yield has YIELD_WARMUP request-steps (at batch 1 the
+                first few steps of an answer that will quote its prompt find no n-gram: a
+                yield read off them turned drafting off for the whole run)
     choice      then it drafts while yield / time drafting > 1 / time not drafting
     exploring   every `interval` steps it runs EXPLORE steps the other way, so that a change
                 is noticed; the interval starts at EXPLORE_MIN and doubles, up to EXPLORE_MAX,
@@ -38,16 +41,22 @@ EXPLORE_MIN = 16
 EXPLORE_MAX = 512
 ALPHA = 0.3  # weight of a new step in a bucket's time averages
 YIELD_ALPHA = 0.02  # weight of one request-step in the yield average
+YIELD_WARMUP = 32  # request-steps of yield before any bucket may stop drafting
 
 
 class _Mean:
-    """An exponential average; the first sample sets it."""
+    """An exponential average of weighted samples: the plain mean of the first ones, until
+    that gives a sample less weight than `alpha` would (so the first sample does not weigh
+    ~(1 - alpha) ** n after n more, as with a first sample that sets the average)."""
 
     def __init__(self) -> None:
-        self.value, self.samples = 0.0, 0
+        self.value, self.samples, self.weight = 0.0, 0, 0.0
 
-    def add(self, x: float, alpha: float) -> None:
-        self.value += (1.0 if self.samples == 0 else alpha) * (x - self.value)
+    def add(self, x: float, alpha: float, weight: float = 1.0) -> None:
+        """`weight` samples of value x at once (a step of n requests: n request-steps)."""
+        self.weight += weight
+        rate = max(1.0 - (1.0 - alpha) ** weight, weight / self.weight)
+        self.value += rate * (x - self.value)
         self.samples += 1
 
 
@@ -88,6 +97,8 @@ class DraftGate:
         b = self._bucket(batch_size)
         if not b.warm():
             return b.on.samples < WARMUP
+        if self.yield_.weight < YIELD_WARMUP:
+            return True  # nothing decided yet (record): measure the yield
         b.steps += 1
         if b.steps > b.interval:  # an exploration window: the loser for EXPLORE steps
             if b.steps > b.interval + EXPLORE:
@@ -105,13 +116,12 @@ class DraftGate:
         if drafted:
             b.on.add(seconds, ALPHA)
             # one step of n requests weighs as n request-steps
-            alpha = 1.0 - (1.0 - YIELD_ALPHA) ** batch_size
-            self.yield_.add(tokens / batch_size, alpha)
-            b.yield_.add(tokens / batch_size, alpha)
+            self.yield_.add(tokens / batch_size, YIELD_ALPHA, batch_size)
+            b.yield_.add(tokens / batch_size, YIELD_ALPHA, batch_size)
         else:
             b.off.add(seconds, ALPHA)
-        if not b.warm():
-            return
+        if not b.warm() or self.yield_.weight < YIELD_WARMUP:
+            return  # b.drafts stays as it is (True until a first decision)
         wins = self._wins(b)
         if wins != b.drafts:  # the winner changed: look again soon
             b.drafts, b.interval, b.steps = wins, EXPLORE_MIN, 0

@@ -68,6 +68,26 @@ def test_a_bucket_where_drafts_are_rarely_found_stops_drafting():
     assert g.stats()[1]["yield"] >= 2.0 and g.stats()[1]["drafts"] is True  # kept its own
 
 
+def test_drafts_found_only_after_the_first_steps_still_turn_drafting_on():
+    """Batch 1, an answer that starts in its own words and then quotes the prompt: the first
+    drafting steps find nothing (1 token for 1.1x the time), later ones commit 2.5 tokens for
+    1.2x. The gate must not decide from the first steps, nor let them weigh on for long."""
+    g = DraftGate()
+    first = _drive(g, 2 * gate_mod.WARMUP, 1, (1.0, 0.0011), (1.0, 0.001))
+    assert first == gate_mod.WARMUP
+    assert _drive(g, 200, 1, (2.5, 0.0012), (1.0, 0.001)) >= 180
+    assert g.stats()[1]["drafts"] is True
+
+
+def test_mean_starts_as_the_plain_mean():
+    m = gate_mod._Mean()
+    for x in (1.0, 2.0, 3.0):
+        m.add(x, 0.02)
+    assert abs(m.value - 2.0) < 1e-12
+    m.add(10.0, 0.02, weight=3)  # three samples at once
+    assert abs(m.value - (6.0 + 30.0) / 6) < 1e-12
+
+
 def _engine(folder: str, **kw) -> Engine:  # noqa: F811
     eng = Engine(model=folder, device="cpu", page_size=PAGE, kv_cache_gb=0.01,
                  speculative_algorithm="ngram", speculative_num_draft_tokens=3, **kw)
