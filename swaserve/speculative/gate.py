@@ -11,8 +11,7 @@ request cost nearly K + 1 times one), which is too much to predict and cheap to 
                 drafter's acceptance hardly depends on the batch size, but how often it finds
                 drafts at all can: the n-gram drafter on a batch of chat answers may find none)
     step time   per batch-size bucket, drafting and not: averages of decode-only steps' wall
-                time (not drafting: steady, so a few steps tell; drafting: weighted as the
-                yield, since steps that verify and steps that found no draft come in streaks)
+                time (steady, so a few steps tell)
     warm-up     a bucket's first WARMUP steps draft, the next WARMUP do not; no bucket stops
                 drafting before the yield has YIELD_WARMUP request-steps (at batch 1 the
                 first few steps of an answer that will quote its prompt find no n-gram: a
@@ -115,11 +114,7 @@ class DraftGate:
             return
         b = self._bucket(batch_size)
         if drafted:
-            # the same weights as the yield's: both average the same request-steps (a short
-            # memory for the time and a long one for the yield read the cost of the latest
-            # streak of verify steps against the tokens of the last ~50 steps, most of them
-            # steps that found no draft, and turned drafting off where it paid)
-            b.on.add(seconds, YIELD_ALPHA, batch_size)
+            b.on.add(seconds, ALPHA)
             # one step of n requests weighs as n request-steps
             self.yield_.add(tokens / batch_size, YIELD_ALPHA, batch_size)
             b.yield_.add(tokens / batch_size, YIELD_ALPHA, batch_size)
