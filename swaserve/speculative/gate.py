@@ -11,7 +11,12 @@ request cost nearly K + 1 times one), which is too much to predict and cheap to 
                 drafter's acceptance hardly depends on the batch size, but how often it finds
                 drafts at all can: the n-gram drafter on a batch of chat answers may find none)
     step time   per batch-size bucket, drafting and not: averages of decode-only steps' wall
-                time (steady, so a few steps tell)
+                time (steady, so a few steps tell). A step more than OUTLIER times the
+                average counts as OUTLIER times it, and one below 1 / OUTLIER of it starts
+                the average anew: the first verify step of each new shape captures a CUDA
+                graph or compiles a kernel (~0.1-0.3 s), and one such step in the average
+                made drafting lose until its weight decayed, which at 2 exploring steps per
+                512 took the rest of a run
     warm-up     a bucket's first WARMUP steps draft, the next WARMUP do not; no bucket stops
                 drafting before the yield has YIELD_WARMUP request-steps (at batch 1 the
                 first few steps of an answer that will quote its prompt find no n-gram: a
@@ -42,6 +47,7 @@ EXPLORE_MAX = 512
 ALPHA = 0.3  # weight of a new step in a bucket's time averages
 YIELD_ALPHA = 0.02  # weight of one request-step in the yield average
 YIELD_WARMUP = 32  # request-steps of yield before any bucket may stop drafting
+OUTLIER = 3.0  # step times beyond this factor of their average are clipped, or restart it
 
 
 class _Mean:
@@ -58,6 +64,13 @@ class _Mean:
         rate = max(1.0 - (1.0 - alpha) ** weight, weight / self.weight)
         self.value += rate * (x - self.value)
         self.samples += 1
+
+    def add_time(self, seconds: float, alpha: float) -> None:
+        """A step's wall time, robust to one-off slow steps (OUTLIER)."""
+        if self.samples and seconds < self.value / OUTLIER:
+            self.value, self.samples, self.weight = seconds, 1, 1.0  # the average was off
+            return
+        self.add(min(seconds, OUTLIER * self.value) if self.samples else seconds, alpha)
 
 
 @dataclass
@@ -114,12 +127,12 @@ class DraftGate:
             return
         b = self._bucket(batch_size)
         if drafted:
-            b.on.add(seconds, ALPHA)
+            b.on.add_time(seconds, ALPHA)
             # one step of n requests weighs as n request-steps
             self.yield_.add(tokens / batch_size, YIELD_ALPHA, batch_size)
             b.yield_.add(tokens / batch_size, YIELD_ALPHA, batch_size)
         else:
-            b.off.add(seconds, ALPHA)
+            b.off.add_time(seconds, ALPHA)
         if not b.warm() or self.yield_.weight < YIELD_WARMUP:
             return  # b.drafts stays as it is (True until a first decision)
         wins = self._wins(b)

@@ -79,6 +79,37 @@ def test_drafts_found_only_after_the_first_steps_still_turn_drafting_on():
     assert g.stats()[1]["drafts"] is True
 
 
+def test_slow_first_verify_steps_do_not_turn_drafting_off():
+    """On a GPU the first verify step of each new shape captures a graph or compiles a kernel
+    (0.3 s here, against ~1 ms steps). Drafting wins 1.6x at batch 1 otherwise: the gate must
+    still draft in the second half (it drafted 2 of those 500 steps before OUTLIER)."""
+    g = DraftGate()
+    slow = {2, 5, 9, 17, 40, 41, 80}  # drafting steps that hit a new shape
+    late = n = 0
+    for i in range(1000):
+        d = g.choose(1)
+        if d:
+            tok, sec = (2.5, 0.0012) if n % 2 == 0 else (1, 0.0011)
+            sec = 0.3 if n in slow else sec
+            n += 1
+        else:
+            tok, sec = 1, 0.001
+        g.record(1, d, tok, sec)
+        late += d and i >= 500
+    assert late >= 450
+
+
+def test_step_time_average_clips_and_restarts():
+    m = gate_mod._Mean()
+    m.add_time(0.001, 0.3)
+    m.add_time(1.0, 0.3)  # a one-off: counts as OUTLIER x the average
+    assert abs(m.value - 0.001 * (1 + 0.5 * (gate_mod.OUTLIER - 1))) < 1e-12
+    m = gate_mod._Mean()
+    m.add_time(0.3, 0.3)  # the very first step was slow: the next normal one restarts
+    m.add_time(0.001, 0.3)
+    assert m.value == 0.001 and m.samples == 1
+
+
 def test_mean_starts_as_the_plain_mean():
     m = gate_mod._Mean()
     for x in (1.0, 2.0, 3.0):
