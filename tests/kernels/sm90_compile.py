@@ -114,12 +114,56 @@ def compile_reduce(case: tuple) -> None:
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+# The decode GEMV (swaserve/ops/gemv.py), default tiles: (name, dtype, rows, N, K, norm, bias,
+# residual)
+GEMV_CASES = [
+    ("gemv bf16 norm", torch.bfloat16, 1, 6144, 4096, True, False, False),
+    ("gemv bf16 norm wide", torch.bfloat16, 2, 28672, 4096, True, False, False),
+    ("gemv bf16 head", torch.bfloat16, 1, 128256, 4096, False, False, False),
+    ("gemv bf16 residual bias odd K 2 rows", torch.bfloat16, 2, 4096, 4100, False, True, True),
+    ("gemv fp32 norm residual", torch.float32, 1, 4096, 14336, True, False, True),
+]
+
+
+def compile_gemv(case: tuple) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from swaserve.ops import gemv as g
+
+    _, dtype, m, n, k, norm, bias, res = case
+    cfg = g.default_config(m, n, k, norm)
+    t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    consts = dict(
+        K=k, HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, NUM_STAGES=cfg.num_stages,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    )
+    fn = g._gemv_kernel
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ("X", "W", "B", "R", "G", "Y"):
+            sig[name] = "*" + t
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("eps", "g_offset"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+
+
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET"
     names = sys.argv[1:]
     for case, compile_one in [(c, compile_case) for c in CASES] + [
         (c, compile_reduce) for c in REDUCE_CASES
-    ]:
+    ] + [(c, compile_gemv) for c in GEMV_CASES]:
         if names and case[0] not in names:
             continue
         try:

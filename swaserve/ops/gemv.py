@@ -1,0 +1,151 @@
+"""Skinny GEMM for decode: y = [rmsnorm](x) @ W^T [+ bias] [+ residual] for a few rows of x.
+
+At batch 1 a decode step is the weights read once; cuBLAS reads them at ~94% of the copy
+ceiling on the H200 but splits K for these shapes (a second, reduce kernel per GEMM), and the
+RMSNorm in front of the q/k/v and gate/up GEMMs and the residual add behind the o and down
+GEMMs are launches of their own (at batch 1 each small launch costs about as much as a tenth
+of a layer's GEMM time). Here one program owns BLOCK_N output columns for every row of x and
+walks the whole of K (no split, no reduce), so the norm can ride in front and the residual
+add behind:
+
+    ss[m]  = sum_k x[m, k]^2                                  (accumulated in the same K walk)
+    acc    = sum_k W[n, k] * (x[m, k] * g[k])                 g = norm weight (1 + w for Gemma)
+    y[m,n] = acc * rsqrt(ss[m] / K + eps)  [+ bias[n]] [+ residual[m, n]]
+
+The norm's scale is a per-row scalar, so it moves behind the dot product: nothing waits for a
+pass over x before the weights stream. Numerics: float32 accumulation, one rounding of y to the
+output dtype (HF rounds the normalised x, the GEMM output and the residual sum each on their
+own; the differences are of one bf16 step, like split-K's reduction order).
+
+The products accumulate elementwise in registers ([rows, BLOCK_N, BLOCK_K] float32) and are
+summed over K once, after the loop; K is a constexpr so the loop is a `tl.range` the compiler
+pipelines. `benchmarks/gemv_bench.py` times the tiles against cuBLAS per shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from swaserve.ops.rmsnorm import NormParams
+from swaserve.ops.rounding import round_to
+
+MAX_ROWS = 2  # rows of x this path takes; at 4 cuBLAS won by 10-45% on Llama-8B's shapes
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # output columns per program
+    block_k: int  # K per loop step, as rows x block_k x block_n products held in registers
+    num_warps: int
+    num_stages: int
+
+
+def default_config(m: int, n: int, k: int, norm: bool = False) -> GemvConfig:
+    """The tile for an [m, k] x [n, k]^T product (m <= MAX_ROWS), from `gemv_bench.py`'s sweep
+    on the H200 (benchmarks/RESULTS.md, stop 18; Llama-3.1-8B's shapes, within 2% of the best
+    tile on each). Every program reads all of x (and the norm weight) from L2 once, so wide N
+    takes more columns per program when those reads double (a norm in front) and the
+    vocabulary head, where the weights dominate, fewer and longer K steps."""
+    if m == 1 and n >= 65536:
+        block_n, block_k = 4, 2048
+    elif norm and n >= 16384:
+        block_n, block_k = (16 if m == 1 else 8), 1024
+    elif m == 1 or norm:
+        block_n, block_k = 8, 512
+    else:
+        block_n, block_k = 16, 512
+    block_k = min(block_k, triton.next_power_of_2(k))
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, B, R, G, Y,
+    M, N, stride_xm, stride_wn, stride_rm, stride_ym, eps, g_offset,
+    K: tl.constexpr,  # a constexpr: the loop is a pipelined `tl.range` (one variant per K)
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_load = tl.minimum(rn, N - 1)  # rows past N load row N - 1 (unmasked) and are not stored
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    w_ptrs = W + rn_load.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
+    # products accumulate elementwise; the one reduction over K comes after the loop
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if K % BLOCK_K == 0:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        else:
+            k_ok = (k0 + rk) < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_NORM:
+            ss += x * x
+            if K % BLOCK_K == 0:
+                g = tl.load(G + k0 + rk).to(tl.float32)
+            else:
+                g = tl.load(G + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+            x = x * (g + g_offset)[None, :]
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, 2)
+    if HAS_NORM:
+        y = y * tl.rsqrt(tl.sum(ss, 1) / K + eps)[:, None]
+    if HAS_BIAS:
+        y += tl.load(B + rn_load).to(tl.float32)[None, :]
+    mask = m_ok[:, None] & (rn < N)[None, :]
+    if HAS_RES:
+        res = tl.load(R + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
+        y += res.to(tl.float32)
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: NormParams | None = None,
+    residual: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """[norm](x) @ weight^T [+ bias] [+ residual] for x of [m, k] (m <= MAX_ROWS, unit
+    stride along k) and a contiguous weight of [n, k]; returns a new contiguous [m, n] tensor
+    in x's dtype. `norm` is an RMSNorm over k (blocks.RMSNorm), `residual` an [m, n] tensor."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(
+            f"gemv takes x [<= {MAX_ROWS}, K] with unit stride and a contiguous [N, K] weight; "
+            f"got x {tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)}"
+        )
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = config or default_config(m, n, k, norm is not None)
+    if residual is not None:
+        assert residual.shape == (m, n) and residual.stride(1) == 1
+    g = norm.weight if norm is not None else x
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, bias if bias is not None else x, residual if residual is not None else x,
+        g, y, m, n, x.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else 0, y.stride(0),
+        norm.eps if norm is not None else 0.0,
+        1.0 if norm is not None and norm.unit_offset else 0.0,
+        K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_NORM=norm is not None,
+        NUM_STAGES=cfg.num_stages, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,107 @@
+"""The decode GEMV (swaserve/ops/gemv.py) against a float64 torch reference on random inputs:
+two tiles, with and without the RMSNorm in front (Llama
+weights and Gemma's 1 + w), bias and residual behind, K not a multiple of the tile, N not a
+multiple of the block, 1 to MAX_ROWS rows, a row-strided x; bad shapes raise.
+
+On CPU under the interpreter; SWASERVE_TEST_TRITON_CUDA=1 runs it compiled on a CUDA device.
+Every test name contains `triton`.
+"""
+
+from __future__ import annotations
+
+import os
+
+_CUDA = os.environ.get("SWASERVE_TEST_TRITON_CUDA") == "1"
+if not _CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from swaserve.models.blocks import RMSNorm  # noqa: E402
+from swaserve.ops.gemv import MAX_ROWS, GemvConfig, default_config, gemv  # noqa: E402
+
+DEVICE = torch.device("cuda" if _CUDA else "cpu")
+SMALL = {"narrow": GemvConfig(4, 32, 4, 2), "wide": GemvConfig(16, 64, 4, 1)}
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+def _reference(x, w, bias, norm, residual) -> torch.Tensor:
+    xf = x.double()
+    if norm is not None:
+        g = norm.weight.double() + (1.0 if norm.unit_offset else 0.0)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps) * g
+    y = xf @ w.double().T
+    if bias is not None:
+        y = y + bias.double()
+    if residual is not None:
+        y = y + residual.double()
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tile", sorted(SMALL))
+@pytest.mark.parametrize(
+    "m, n, k, norm, bias, residual",
+    [
+        (1, 48, 64, None, False, False),
+        (1, 40, 96, "llama", False, True),  # N not a multiple of the block
+        (2, 64, 80, "gemma", True, False),  # K not a multiple of the tile
+        (2, 33, 200, "llama", True, True),
+        (2, 16, 32, None, False, True),
+    ],
+)
+def test_triton_gemv_matches_reference(dtype, tile, m, n, k, norm, bias, residual):
+    x = _randn(m, k, dtype=dtype, seed=1) * 3  # a residual stream is not unit scale
+    w = _randn(n, k, dtype=dtype, seed=2) * k**-0.5
+    b = _randn(n, dtype=dtype, seed=3) if bias else None
+    r = _randn(m, n, dtype=dtype, seed=4) if residual else None
+    nm = None
+    if norm is not None:
+        nm = RMSNorm(k, 1e-6, unit_offset=norm == "gemma")
+        with torch.no_grad():
+            nm.weight.copy_(_randn(k, dtype=torch.float32, seed=5) * 0.5 + (norm == "llama"))
+        nm = nm.to(DEVICE, dtype)
+    got = gemv(x, w, b, norm=nm, residual=r, config=SMALL[tile])
+    want = _reference(x, w, b, nm, r)
+    assert got.shape == (m, n) and got.dtype == dtype and got.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    else:  # float32 products and sums: one rounding of the output
+        err = (got.double() - want).abs() / want.abs().clamp_min(1.0)
+        assert err.max().item() < 8e-3
+        assert err.mean().item() < 2e-3
+
+
+@pytest.mark.parametrize(
+    "m, n, k, norm",
+    [(MAX_ROWS, 96, 512, False), (1, 96, 512, True), (1, 16384, 64, True)]
+    + ([(1, 65536, 256, False), (2, 28672, 512, True)] if _CUDA else []),
+)
+def test_triton_gemv_default_tiles_and_strided_rows(m, n, k, norm):
+    """The engine's default tiles (each branch of `default_config`) on x rows taken from a wider
+    tensor."""
+    wide = _randn(m, 2 * k, dtype=torch.float32, seed=6)
+    x = wide[:, :k]  # row stride 2k, unit column stride: read in place
+    w = _randn(n, k, dtype=torch.float32, seed=7)
+    nm = RMSNorm(k, 1e-6).to(DEVICE) if norm else None
+    assert default_config(m, n, k, norm).block_k <= k
+    torch.testing.assert_close(gemv(x, w, norm=nm).double(), _reference(x, w, None, nm, None),
+                               atol=1e-4, rtol=1e-5)  # fmt: skip
+    assert gemv(x[:0], w).shape == (0, n)
+
+
+def test_triton_gemv_refuses_bad_shapes():
+    w = _randn(16, 32, dtype=torch.float32, seed=8)
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(_randn(MAX_ROWS + 1, 32, dtype=torch.float32, seed=9), w)
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(_randn(1, 31, dtype=torch.float32, seed=9), w)
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(_randn(1, 32, dtype=torch.float32, seed=9), w.T.contiguous().T)
