@@ -289,17 +289,30 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
+        if self.qkv_proj is not None:
+            return self.o_proj(self.attend(positions, self.qkv_proj(x), fb))
+        if self.fused:
+            return self.o_proj(
+                self.attend(positions, F.linear(x, self.qkv_weight, self.qkv_bias), fb)
+            )
+        return self.o_proj(
+            self._attend(positions, self.q_proj(x), self.k_proj(x), self.v_proj(x), fb)
+        )
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """The attention output `[T, H D]`, before o_proj, from one merged q|k|v projection
+        output (q, k, v are strided views of it)."""
         s = self.spec
-        if self.fused or self.qkv_proj is not None:  # q, k, v: strided views of one GEMM output
-            if self.qkv_proj is not None:
-                qkv = self.qkv_proj(x)
-            else:
-                qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-            kv_dim = s.num_kv_heads * s.head_dim
-            q, k, v = qkv.split([s.num_heads * s.head_dim, kv_dim, kv_dim], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv_dim = s.num_kv_heads * s.head_dim
+        q, k, v = qkv.split([s.num_heads * s.head_dim, kv_dim, kv_dim], dim=-1)
+        return self._attend(positions, q, k, v, fb)
+
+    def _attend(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:  # fmt: skip
+        t = q.shape[0]
+        s = self.spec
         q = q.view(t, s.num_heads, s.head_dim)
         k = k.view(t, s.num_kv_heads, s.head_dim)
         v = v.view(t, s.num_kv_heads, s.head_dim)
@@ -309,7 +322,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
         out = fb.backend.forward(q, k, v, s, self.sinks, fb, prologue=prologue)
-        return self.o_proj(out.reshape(t, s.num_heads * s.head_dim))
+        return out.reshape(t, s.num_heads * s.head_dim)
 
     def prologue(self, backend: object) -> Any:
         """The q/k norms and rotary for `backend` to apply, fused with its K/V store (one
@@ -338,9 +351,7 @@ def layer_windows(config: Any) -> list[int | None]:
 
 
 def layer_type_names(config: Any) -> list[str]:
-    return [
-        "full_attention" if w is None else "sliding_attention" for w in layer_windows(config)
-    ]
+    return ["full_attention" if w is None else "sliding_attention" for w in layer_windows(config)]
 
 
 def head_dim_of(config: Any) -> int:

@@ -69,6 +69,36 @@ class LlamaDecoderLayer(nn.Module):
         x, h = add_rmsnorm(a, h, self.post_attention_layernorm)
         return add_rmsnorm(self.mlp(x), h, next_norm)
 
+    def gemv_ready(self) -> bool:
+        """The decode GEMV path (`forward_gemv`) can run this layer: fused, merged projections
+        on one device (tensor parallelism's row-parallel o/down add their all-reduce, where a
+        residual add inside the GEMV would count the residual once per rank)."""
+        attn, mlp = self.self_attn, self.mlp
+        return (
+            attn.fused and mlp.fused and attn.qkv_weight is not None
+            and mlp.gate_up_weight is not None
+            and type(attn.o_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear
+        )  # fmt: skip
+
+    def forward_gemv(
+        self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """This layer on a few rows (swaserve/ops/gemv.py): each RMSNorm rides in front of the
+        GEMV it feeds and each residual add behind the one before it, so the layer is four
+        GEMVs, the attention launches and the activation. Takes and returns the residual
+        stream (no normed copy between layers)."""
+        from swaserve.ops.activation import act_and_mul
+        from swaserve.ops.gemv import gemv
+
+        attn, mlp = self.self_attn, self.mlp
+        qkv = gemv(h, attn.qkv_weight, attn.qkv_bias, norm=self.input_layernorm)
+        a = attn.attend(positions, qkv, fb)
+        h = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        gu = gemv(h, mlp.gate_up_weight, mlp.gate_up_bias, norm=self.post_attention_layernorm)
+        gate, up = gu.chunk(2, dim=-1)
+        act = act_and_mul(gate, up, mlp.act_name)
+        return gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, qk_norm: bool = False) -> None:
@@ -78,9 +108,15 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, w, qk_norm) for i, w in enumerate(layer_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Steps of at most this many tokens take the decode GEMV path (`forward_gemv`); set by
+        # `swaserve.ops.enable_fused_ops`, 0 (off) on the eager path.
+        self.gemv_rows = 0
+        self._gemv_ready: bool | None = None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(fb.input_ids)
+        if self.takes_gemv(h.shape[0]):
+            return self._forward_gemv(h, fb)
         x = self.layers[0].input_layernorm(h)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         last = len(self.layers) - 1
@@ -88,6 +124,25 @@ class LlamaModel(nn.Module):
             x, h = layer(fb.positions, x, h, next_norm, fb)
             if fb.keep_layers:
                 fb.keep(i, h, x, i == last)
+        return x
+
+    def takes_gemv(self, rows: int) -> bool:
+        """A step of `rows` tokens runs the decode GEMV path (each layer's `forward_gemv`)."""
+        if rows > self.gemv_rows:
+            return False
+        if self._gemv_ready is None:
+            self._gemv_ready = all(layer.gemv_ready() for layer in self.layers)
+        return self._gemv_ready
+
+    def _forward_gemv(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_gemv(fb.positions, h, fb)
+            if fb.keep_layers and i != last:
+                fb.keep(i, h, h, False)
+        x = self.norm(h)
+        if fb.keep_layers:
+            fb.keep(last, h, x, True)
         return x
 
 
@@ -106,4 +161,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == 1 and self.model.takes_gemv(1):  # one row: the GEMV is faster
+            from swaserve.ops.gemv import gemv
+
+            head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+            return gemv(hidden, head.weight)
         return head_logits(self, hidden)

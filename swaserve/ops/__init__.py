@@ -2,12 +2,16 @@
 
 `enable_fused_ops(model)` switches a built model's RMSNorm, Rotary, GatedMLP, Attention and
 SparseMoE modules to the kernels here (rmsnorm.py, rotary.py, activation.py, fused_moe.py) and
-to merged q/k/v and gate/up GEMMs (merge.py); without it every block runs its eager torch
-code, the reference.
+to merged q/k/v and gate/up GEMMs (merge.py), and lets Llama-family models run steps of a few
+tokens through the decode GEMV (gemv.py, norms and residual adds fused into it; the environment
+variable SWASERVE_GEMV_ROWS caps the step size, 0 turns it off); without it every block runs
+its eager torch code, the reference.
 Importing this package does not import Triton.
 """
 
 from __future__ import annotations
+
+import os
 
 from torch import nn
 
@@ -18,11 +22,13 @@ def enable_fused_ops(model: nn.Module, enabled: bool = True) -> int:
     dict is unchanged, no weight memory is added); the merged layout stays when disabling, the
     eager path reads the same memory through the per-projection views."""
     from swaserve.models.blocks import Attention, GatedMLP, RMSNorm, Rotary
+    from swaserve.models.llama import LlamaModel
     from swaserve.models.moe import SparseMoE
 
     if enabled:  # import Triton and the kernels now, not inside the first forward
         import swaserve.ops.activation  # noqa: F401
         import swaserve.ops.fused_moe  # noqa: F401
+        import swaserve.ops.gemv  # noqa: F401
         import swaserve.ops.rmsnorm  # noqa: F401
         import swaserve.ops.rotary  # noqa: F401
         from swaserve.ops.merge import merge_projections
@@ -33,4 +39,15 @@ def enable_fused_ops(model: nn.Module, enabled: bool = True) -> int:
         if isinstance(module, (RMSNorm, Rotary, GatedMLP, Attention, SparseMoE)):
             module.fused = enabled
             switched += 1
+        elif isinstance(module, LlamaModel):
+            module.gemv_rows = gemv_rows() if enabled else 0
+            module._gemv_ready = None
     return switched
+
+
+def gemv_rows() -> int:
+    """Steps of at most this many tokens take the decode GEMV path (SWASERVE_GEMV_ROWS, at most
+    `gemv.MAX_ROWS`; 0: never)."""
+    from swaserve.ops.gemv import MAX_ROWS
+
+    return max(0, min(MAX_ROWS, int(os.environ.get("SWASERVE_GEMV_ROWS", MAX_ROWS))))
