@@ -1,13 +1,14 @@
 """The decode GEMV (swaserve/ops/gemv.py) against cuBLAS on the projections of one decode step.
 
 For each weight shape and row count, in the variant the engine runs (the RMSNorm fused in front
-of q/k/v and gate/up, the residual add behind o and down, plain for the head): cuBLAS
-(`F.linear`, what the engine runs otherwise, with swaserve's RMSNorm kernel in front or a
-torch add behind), then every candidate GemvConfig at the first row count, the six fastest at
-the others (checked first against a float32 reference: max |diff| within a few bf16 steps of
-the output's scale, or it is not timed). Each timing is a CUDA graph of launches over rotating
-copies of the weight (more bytes than the L2 holds, as the layers of a model are), replayed;
-time per launch, and the weight bytes read per second.
+of q/k/v and gate/up, the residual add behind o, the activation in front of down and the add
+behind it, plain for the head): cuBLAS (`F.linear`, what the engine runs otherwise, with
+swaserve's RMSNorm or act_and_mul kernel in front, a torch add behind), then every candidate
+GemvConfig at the first row count, the six fastest at the others (checked first against a
+float32 reference: max |diff| within a few bf16 steps of the output's scale, or it is not
+timed). Each timing is a CUDA graph of launches over rotating copies of the weight (more bytes
+than the L2 holds, as the layers of a model are), replayed; time per launch, and the weight
+bytes read per second.
 
 Usage (GPU machine, repo root): python3 benchmarks/gemv_bench.py [--model llama-8b|gemma-27b]
 Prints a table last; JSON lines to $OUT/gemv_bench.jsonl.
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from swaserve.models.blocks import RMSNorm  # noqa: E402
+from swaserve.ops.activation import act_and_mul  # noqa: E402
 from swaserve.ops.gemv import GemvConfig, gemv  # noqa: E402
 from swaserve.ops.rmsnorm import rmsnorm  # noqa: E402
 
@@ -50,7 +52,7 @@ CANDIDATES = [  # at the first row count; products in registers per program <= 1
     if bn * bk <= 16384 and (bn, w) != (2, 8)
 ]
 # what the engine's decode GEMV path runs per projection (models/llama.py, forward_gemv)
-VARIANT = {"qkv": "norm", "o": "res", "gate_up": "norm", "down": "res", "head": None}
+VARIANT = {"qkv": "norm", "o": "res", "gate_up": "norm", "down": "act", "head": None}
 L2_BYTES = 50 << 20
 OUT = Path(os.environ.get("OUT", "bench_out"))
 
@@ -92,7 +94,14 @@ def measure(
     res = torch.randn(m, n, device=x.device, dtype=torch.bfloat16)
     variant = VARIANT[name]
     kw = {"norm": norm} if variant == "norm" else {"residual": res} if variant == "res" else {}
-    if variant == "norm":
+    if variant == "act":  # x is gate|up: act_and_mul, cuBLAS, the residual add
+        gu = torch.randn(m, 2 * k, device=x.device, dtype=torch.bfloat16)
+        a = act_and_mul(gu[:, :k], gu[:, k:], "silu")
+        ref = (a.float() @ weights[0].float().T) + res.float()
+        t_cublas = timed(lambda w: F.linear(act_and_mul(gu[:, :k], gu[:, k:], "silu"), w) + res,
+                         weights)  # fmt: skip
+        x, kw = gu, {"residual": res, "act": "silu"}
+    elif variant == "norm":
         ref = F.linear(rmsnorm(x, norm), weights[0]).float()
         t_cublas = timed(lambda w: F.linear(rmsnorm(x, norm), w), weights)
     elif variant == "res":
@@ -102,7 +111,7 @@ def measure(
         ref = x.float() @ weights[0].float().T
         t_cublas = timed(lambda w: F.linear(x, w), weights)
     tol = 4e-2 * max(1.0, ref.abs().max().item() / 8)
-    t_plain_cublas = timed(lambda w: F.linear(x, w), weights)
+    t_plain_cublas = timed(lambda w: F.linear(x[:, :k], w), weights)
     times: dict[GemvConfig, float] = {}
     for cfg in tiles:
         try:
@@ -121,7 +130,7 @@ def measure(
         "cublas_us": t_cublas, "cublas_plain_us": t_plain_cublas,
         "default_us": timed(lambda w: gemv(x, w, **kw), weights),
         "best_us": best, "best": best_cfg.__dict__,
-        "plain_best_us": timed(lambda w: gemv(x, w, config=best_cfg), weights),
+        "plain_best_us": timed(lambda w: gemv(x[:, :k], w, config=best_cfg), weights),
         "cublas_tbs": nbytes / t_plain_cublas / 1e6, "best_tbs": nbytes / best / 1e6,
     }  # fmt: skip
     return row, times
@@ -131,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-8b", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--shapes", nargs="+", help="a subset of the model's shapes (default all)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     log = open(OUT / "gemv_bench.jsonl", "a")
@@ -138,6 +148,8 @@ def main() -> None:
     torch.manual_seed(0)
     rows_out = []
     for name, (n, k) in SHAPES[args.model].items():
+        if args.shapes and name not in args.shapes:
+            continue
         copies = max(2, -(-4 * L2_BYTES // (n * k * 2)))
         weights = [
             torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)

@@ -84,10 +84,9 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
         """This layer on a few rows (swaserve/ops/gemv.py): each RMSNorm rides in front of the
-        GEMV it feeds and each residual add behind the one before it, so the layer is four
-        GEMVs, the attention launches and the activation. Takes and returns the residual
-        stream (no normed copy between layers)."""
-        from swaserve.ops.activation import act_and_mul
+        GEMV it feeds, the gated activation in front of down, and each residual add behind o
+        and down, so the layer is four GEMVs and the attention launches. Takes and returns the
+        residual stream (no normed copy between layers)."""
         from swaserve.ops.gemv import gemv
 
         attn, mlp = self.self_attn, self.mlp
@@ -95,9 +94,7 @@ class LlamaDecoderLayer(nn.Module):
         a = attn.attend(positions, qkv, fb)
         h = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=h)
         gu = gemv(h, mlp.gate_up_weight, mlp.gate_up_bias, norm=self.post_attention_layernorm)
-        gate, up = gu.chunk(2, dim=-1)
-        act = act_and_mul(gate, up, mlp.act_name)
-        return gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+        return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, act=mlp.act_name)
 
 
 class LlamaModel(nn.Module):

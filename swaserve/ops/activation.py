@@ -18,6 +18,19 @@ ACT_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 
 
 @triton.jit
+def gated(g, u, ACT: tl.constexpr, DTYPE: tl.constexpr):
+    """act(g) * u on float32 values, act(g) rounded to DTYPE first (as the eager code); the
+    product is returned unrounded. Also the down GEMV's prologue (gemv.py)."""
+    if ACT == 0:
+        a = g * tl.sigmoid(g)
+    elif ACT == 1:
+        a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))  # 2 * sqrt(2/pi)
+    else:
+        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    return rounded(a, DTYPE) * u
+
+
+@triton.jit
 def _act_and_mul_kernel(G, U, OUT, n, stride_g, stride_u, ACT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -25,13 +38,7 @@ def _act_and_mul_kernel(G, U, OUT, n, stride_g, stride_u, ACT: tl.constexpr, BLO
     dtype = OUT.dtype.element_ty
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        a = g * tl.sigmoid(g)
-    elif ACT == 1:
-        a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))  # 2 * sqrt(2/pi)
-    else:
-        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    tl.store(OUT + row * n + cols, round_to(rounded(a, dtype) * u, dtype), mask=mask)
+    tl.store(OUT + row * n + cols, round_to(gated(g, u, ACT, dtype), dtype), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

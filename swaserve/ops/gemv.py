@@ -1,13 +1,14 @@
 """Skinny GEMM for decode: y = [rmsnorm](x) @ W^T [+ bias] [+ residual] for a few rows of x.
 
-At batch 1 a decode step is the weights read once; cuBLAS reads them at ~94% of the copy
-ceiling on the H200 but splits K for these shapes (a second, reduce kernel per GEMM), and the
-RMSNorm in front of the q/k/v and gate/up GEMMs and the residual add behind the o and down
-GEMMs are launches of their own (at batch 1 each small launch costs about as much as a tenth
-of a layer's GEMM time). Here one program owns BLOCK_N output columns for every row of x and
-walks the whole of K (no split, no reduce), so the norm can ride in front and the residual
-add behind:
+At batch 1 a decode step is the weights read once; cuBLAS reads them at ~94% of the copy ceiling
+on the H200 but splits K for these shapes (a second, reduce kernel per GEMM), and the RMSNorm in
+front of the q/k/v and gate/up GEMMs, the gated activation in front of the down GEMM and the
+residual add behind the o and down GEMMs are launches of their own (at batch 1 about 3 us each
+with its gap, against ~120 us of GEMMs per Llama-8B layer). Here one program owns BLOCK_N output
+columns for every row of x and walks the whole of K (no split, no reduce), so the norm or the
+activation can ride in front and the residual add behind:
 
+    x      = act(gate) * up                                   (the down GEMV: from gate|up)
     ss[m]  = sum_k x[m, k]^2                                  (accumulated in the same K walk)
     acc    = sum_k W[n, k] * (x[m, k] * g[k])                 g = norm weight (1 + w for Gemma)
     y[m,n] = acc * rsqrt(ss[m] / K + eps)  [+ bias[n]] [+ residual[m, n]]
@@ -19,8 +20,7 @@ own; the differences are of one bf16 step, like split-K's reduction order).
 
 The products accumulate elementwise in registers ([rows, BLOCK_N, BLOCK_K] float32) and are
 summed over K once, after the loop; K is a constexpr so the loop is a `tl.range` the compiler
-pipelines. `benchmarks/gemv_bench.py` times the tiles against cuBLAS per shape.
-"""
+pipelines. `benchmarks/gemv_bench.py` times the tiles against cuBLAS per shape."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.ops.activation import ACT_IDS, gated
 from swaserve.ops.rmsnorm import NormParams
-from swaserve.ops.rounding import round_to
+from swaserve.ops.rounding import round_to, rounded
 
 MAX_ROWS = 2  # rows of x this path takes; at 4 cuBLAS won by 10-45% on Llama-8B's shapes
 
@@ -68,6 +69,7 @@ def _gemv_kernel(
     M, N, stride_xm, stride_wn, stride_rm, stride_ym, eps, g_offset,
     K: tl.constexpr,  # a constexpr: the loop is a pipelined `tl.range` (one variant per K)
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+    ACT: tl.constexpr,  # -1, or x = act(X[:, :K]) * X[:, K:] (activation.ACT_IDS)
     NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -84,12 +86,16 @@ def _gemv_kernel(
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if K % BLOCK_K == 0:
+            x_ok = m_ok[:, None]
             w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0).to(tl.float32)
         else:
             k_ok = (k0 + rk) < K
+            x_ok = m_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0).to(tl.float32)
+        if ACT >= 0:  # x holds the gate; the up half sits K further along the row
+            up = tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)
+            x = rounded(gated(x, up, ACT, X.dtype.element_ty), X.dtype.element_ty)
         if HAS_NORM:
             ss += x * x
             if K % BLOCK_K == 0:
@@ -119,17 +125,30 @@ def gemv(
     *,
     norm: NormParams | None = None,
     residual: torch.Tensor | None = None,
+    act: str | None = None,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """[norm](x) @ weight^T [+ bias] [+ residual] for x of [m, k] (m <= MAX_ROWS, unit
     stride along k) and a contiguous weight of [n, k]; returns a new contiguous [m, n] tensor
-    in x's dtype. `norm` is an RMSNorm over k (blocks.RMSNorm), `residual` an [m, n] tensor."""
+    in x's dtype. `norm` is an RMSNorm over k (blocks.RMSNorm), `residual` an [m, n] tensor.
+    With `act` (a `blocks.ACTIVATIONS` name) x is a merged gate|up output of [m, 2k] and the
+    product's input is act(gate) * up, rounded as `act_and_mul` rounds it."""
     m, k = x.shape
+    if act is not None:
+        k //= 2
     n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or not weight.is_contiguous():
+    bad_act = act is not None and (norm is not None or x.shape[1] != 2 * k)
+    if (
+        m > MAX_ROWS
+        or weight.shape[1] != k
+        or x.stride(1) != 1
+        or not weight.is_contiguous()
+        or bad_act
+    ):
         raise ValueError(
-            f"gemv takes x [<= {MAX_ROWS}, K] with unit stride and a contiguous [N, K] weight; "
-            f"got x {tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)}"
+            f"gemv takes x [<= {MAX_ROWS}, K] (2 K with `act`, which takes no norm) with unit "
+            f"stride and a contiguous [N, K] weight; got x {tuple(x.shape)} strides "
+            f"{x.stride()}, weight {tuple(weight.shape)}, act {act}, norm {norm is not None}"
         )
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -145,6 +164,7 @@ def gemv(
         norm.eps if norm is not None else 0.0,
         1.0 if norm is not None and norm.unit_offset else 0.0,
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_NORM=norm is not None,
+        ACT=-1 if act is None else ACT_IDS[act],
         NUM_STAGES=cfg.num_stages, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -122,6 +122,7 @@ GEMV_CASES = [
     ("gemv bf16 head", torch.bfloat16, 1, 128256, 4096, False, False, False),
     ("gemv bf16 residual bias odd K 2 rows", torch.bfloat16, 2, 4096, 4100, False, True, True),
     ("gemv fp32 norm residual", torch.float32, 1, 4096, 14336, True, False, True),
+    ("gemv bf16 silu residual", torch.bfloat16, 1, 4096, 14336, "silu", False, True),
 ]
 
 
@@ -131,12 +132,16 @@ def compile_gemv(case: tuple) -> None:
     from triton.compiler import ASTSource
 
     from swaserve.ops import gemv as g
+    from swaserve.ops.activation import ACT_IDS
 
     _, dtype, m, n, k, norm, bias, res = case
+    act = norm if isinstance(norm, str) else None  # an activation name in the norm column
+    norm = norm is True
     cfg = g.default_config(m, n, k, norm)
     t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     consts = dict(
         K=k, HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, NUM_STAGES=cfg.num_stages,
+        ACT=-1 if act is None else ACT_IDS[act],
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
     )
     fn = g._gemv_kernel

@@ -1,7 +1,7 @@
 """The decode GEMV (swaserve/ops/gemv.py) against a float64 torch reference on random inputs:
-two tiles, with and without the RMSNorm in front (Llama
-weights and Gemma's 1 + w), bias and residual behind, K not a multiple of the tile, N not a
-multiple of the block, 1 to MAX_ROWS rows, a row-strided x; bad shapes raise.
+two tiles, with and without the RMSNorm in front (Llama weights and Gemma's 1 + w) or the gated
+activation (from a merged gate|up row), bias and residual behind, K not a multiple of the tile,
+N not a multiple of the block, 1 to MAX_ROWS rows, a row-strided x; bad shapes raise.
 
 On CPU under the interpreter; SWASERVE_TEST_TRITON_CUDA=1 runs it compiled on a CUDA device.
 Every test name contains `triton`.
@@ -21,6 +21,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from swaserve.models.blocks import RMSNorm  # noqa: E402
+from swaserve.ops.activation import act_and_mul  # noqa: E402
 from swaserve.ops.gemv import MAX_ROWS, GemvConfig, default_config, gemv  # noqa: E402
 
 DEVICE = torch.device("cuda" if _CUDA else "cpu")
@@ -97,6 +98,25 @@ def test_triton_gemv_default_tiles_and_strided_rows(m, n, k, norm):
     assert gemv(x[:0], w).shape == (0, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("m, n, k", [(1, 40, 64), (2, 24, 72)])
+def test_triton_gemv_gated_activation_in_front(dtype, act, m, n, k):
+    """x = act(gate) * up from a merged gate|up row, as act_and_mul computes it (its rounding
+    included), then the product and the residual add."""
+    gu = _randn(m, 2 * k, dtype=dtype, seed=10)
+    w = _randn(n, k, dtype=dtype, seed=11) * k**-0.5
+    r = _randn(m, n, dtype=dtype, seed=12)
+    got = gemv(gu, w, residual=r, act=act, config=SMALL["narrow"])
+    a = act_and_mul(gu[:, :k], gu[:, k:], act)
+    want = _reference(a, w, None, None, r)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    else:
+        err = (got.double() - want).abs() / want.abs().clamp_min(1.0)
+        assert err.max().item() < 8e-3
+
+
 def test_triton_gemv_refuses_bad_shapes():
     w = _randn(16, 32, dtype=torch.float32, seed=8)
     with pytest.raises(ValueError, match="gemv takes"):
@@ -105,3 +125,5 @@ def test_triton_gemv_refuses_bad_shapes():
         gemv(_randn(1, 31, dtype=torch.float32, seed=9), w)
     with pytest.raises(ValueError, match="gemv takes"):
         gemv(_randn(1, 32, dtype=torch.float32, seed=9), w.T.contiguous().T)
+    with pytest.raises(ValueError, match="gemv takes"):  # act: x is gate|up, [m, 2 K]
+        gemv(_randn(1, 32, dtype=torch.float32, seed=9), w, act="silu")
