@@ -45,12 +45,14 @@ class GemvConfig:
     num_stages: int
 
 
-def default_config(m: int, n: int, k: int, norm: bool = False) -> GemvConfig:
-    """The tile for an [m, k] x [n, k]^T product (m <= MAX_ROWS), from `gemv_bench.py`'s sweep
+def default_config(m: int, n: int, k: int, norm: bool = False, act: bool = False) -> GemvConfig:
+    """The tile for an [m, k] x [n, k]^T product (m <= MAX_ROWS), from `gemv_bench.py`'s sweeps
     on the H200 (benchmarks/RESULTS.md, stop 18; Llama-3.1-8B's shapes, within 2% of the best
     tile on each). Every program reads all of x (and the norm weight) from L2 once, so wide N
     takes more columns per program when those reads double (a norm in front) and the
-    vocabulary head, where the weights dominate, fewer and longer K steps."""
+    vocabulary head, where the weights dominate, fewer and longer K steps. Two rows with the
+    activation in front hold gate and up for both: 8 warps (51.6 -> 33.5 us on down)."""
+    warps = 4
     if m == 1 and n >= 65536:
         block_n, block_k = 4, 2048
     elif norm and n >= 16384:
@@ -59,8 +61,9 @@ def default_config(m: int, n: int, k: int, norm: bool = False) -> GemvConfig:
         block_n, block_k = 8, 512
     else:
         block_n, block_k = 16, 512
+        warps = 8 if act else 4
     block_k = min(block_k, triton.next_power_of_2(k))
-    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=3)
 
 
 @triton.jit
@@ -153,7 +156,7 @@ def gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or default_config(m, n, k, norm is not None)
+    cfg = config or default_config(m, n, k, norm is not None, act is not None)
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(1) == 1
     g = norm.weight if norm is not None else x

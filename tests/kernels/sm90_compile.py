@@ -123,6 +123,7 @@ GEMV_CASES = [
     ("gemv bf16 residual bias odd K 2 rows", torch.bfloat16, 2, 4096, 4100, False, True, True),
     ("gemv fp32 norm residual", torch.float32, 1, 4096, 14336, True, False, True),
     ("gemv bf16 silu residual", torch.bfloat16, 1, 4096, 14336, "silu", False, True),
+    ("gemv bf16 silu residual 2 rows", torch.bfloat16, 2, 4096, 14336, "silu", False, True),
 ]
 
 
@@ -137,7 +138,7 @@ def compile_gemv(case: tuple) -> None:
     _, dtype, m, n, k, norm, bias, res = case
     act = norm if isinstance(norm, str) else None  # an activation name in the norm column
     norm = norm is True
-    cfg = g.default_config(m, n, k, norm)
+    cfg = g.default_config(m, n, k, norm, act is not None)
     t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     consts = dict(
         K=k, HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, NUM_STAGES=cfg.num_stages,
