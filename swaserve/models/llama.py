@@ -70,12 +70,14 @@ class LlamaDecoderLayer(nn.Module):
         return add_rmsnorm(self.mlp(x), h, next_norm)
 
     def gemv_ready(self) -> bool:
-        """The decode GEMV path (`forward_gemv`) can run this layer: fused, merged projections
-        on one device (tensor parallelism's row-parallel o/down add their all-reduce, where a
-        residual add inside the GEMV would count the residual once per rank)."""
+        """The decode GEMV path (`forward_gemv`) can run this layer: a dense MLP, fused, merged
+        projections on one device (tensor parallelism's row-parallel o/down add their
+        all-reduce, where a residual add inside the GEMV would count the residual once per
+        rank)."""
         attn, mlp = self.self_attn, self.mlp
         return (
-            attn.fused and mlp.fused and attn.qkv_weight is not None
+            isinstance(mlp, GatedMLP)  # not the MoE layers gpt-oss and Qwen3-MoE swap in
+            and attn.fused and mlp.fused and attn.qkv_weight is not None
             and mlp.gate_up_weight is not None
             and type(attn.o_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear
         )  # fmt: skip

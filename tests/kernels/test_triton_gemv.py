@@ -127,3 +127,35 @@ def test_triton_gemv_refuses_bad_shapes():
         gemv(_randn(1, 32, dtype=torch.float32, seed=9), w.T.contiguous().T)
     with pytest.raises(ValueError, match="gemv takes"):  # act: x is gate|up, [m, 2 K]
         gemv(_randn(1, 32, dtype=torch.float32, seed=9), w, act="silu")
+
+
+def test_triton_gemv_path_only_for_dense_llama_layers():
+    """`enable_fused_ops` turns the decode GEMV path on for Llama-family models whose every
+    layer has a dense MLP; gpt-oss and Qwen3-MoE (Llama layers with the MLP swapped for MoE,
+    Qwen3-MoE with one dense layer among them) keep the other path, and so do models with the
+    fused ops off."""
+    import transformers as t
+
+    from swaserve.models.registry import model_class
+    from swaserve.ops import enable_fused_ops
+
+    common = dict(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, max_position_embeddings=64, num_hidden_layers=2, intermediate_size=32,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    configs = {
+        "llama": (t.LlamaConfig(**common), True),
+        "qwen3_moe": (t.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=4,
+                                       num_experts_per_tok=2, mlp_only_layers=[1]), False),
+        "gpt_oss": (t.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                   sliding_window=8), False),
+    }  # fmt: skip
+    for name, (cfg, dense) in configs.items():
+        model = model_class(cfg)(cfg)
+        assert not model.model.takes_gemv(1), name  # fused ops off: never
+        enable_fused_ops(model)
+        assert model.model.takes_gemv(1) == dense, name
+        assert not model.model.takes_gemv(MAX_ROWS + 1), name
+        enable_fused_ops(model, enabled=False)
+        assert not model.model.takes_gemv(1), name
