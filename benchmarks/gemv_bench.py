@@ -6,11 +6,13 @@ behind it, plain for the head): cuBLAS (`F.linear`, what the engine runs otherwi
 swaserve's RMSNorm or act_and_mul kernel in front, a torch add behind), then every candidate
 GemvConfig at the first row count, the six fastest at the others (checked first against a
 float32 reference: max |diff| within a few bf16 steps of the output's scale, or it is not
-timed). Each timing is a CUDA graph of launches over rotating copies of the weight (more bytes
-than the L2 holds, as the layers of a model are), replayed; time per launch, and the weight
-bytes read per second.
+timed). Rows past `gemv.MAX_ROWS` (`--rows 4 8 16`) sweep the tensor-core variant's tiles
+(`use_dot`) instead; no default config picks it yet. Each timing is a CUDA graph of launches
+over rotating copies of the weight (more bytes than the L2 holds, as the layers of a model are),
+replayed; time per launch, and the weight bytes read per second.
 
 Usage (GPU machine, repo root): python3 benchmarks/gemv_bench.py [--model llama-8b|gemma-27b]
+    [--rows 1 2] [--shapes qkv o gate_up down head]
 Prints a table last; JSON lines to $OUT/gemv_bench.jsonl.
 """
 
@@ -30,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from swaserve.models.blocks import RMSNorm  # noqa: E402
 from swaserve.ops.activation import act_and_mul  # noqa: E402
-from swaserve.ops.gemv import GemvConfig, gemv  # noqa: E402
+from swaserve.ops.gemv import MAX_ROWS, GemvConfig, gemv  # noqa: E402
 from swaserve.ops.rmsnorm import rmsnorm  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -50,6 +52,13 @@ CANDIDATES = [  # at the first row count; products in registers per program <= 1
     for w in (4, 8)
     for s in (1, 2, 3)
     if bn * bk <= 16384 and (bn, w) != (2, 8)
+]
+DOT_CANDIDATES = [  # the tensor-core variant, for rows past gemv.MAX_ROWS
+    GemvConfig(bn, bk, w, s, use_dot=True)
+    for bn in (16, 32, 64)
+    for bk in (64, 128, 256)
+    for w in (4, 8)
+    for s in (3, 4)
 ]
 # what the engine's decode GEMV path runs per projection (models/llama.py, forward_gemv)
 VARIANT = {"qkv": "norm", "o": "res", "gate_up": "norm", "down": "act", "head": None}
@@ -128,9 +137,9 @@ def measure(
     row = {
         "shape": name, "n": n, "k": k, "m": m, "variant": variant or "plain",
         "cublas_us": t_cublas, "cublas_plain_us": t_plain_cublas,
-        "default_us": timed(lambda w: gemv(x, w, **kw), weights),
+        "default_us": timed(lambda w: gemv(x, w, **kw), weights) if m <= MAX_ROWS else None,
         "best_us": best, "best": best_cfg.__dict__,
-        "plain_best_us": timed(lambda w: gemv(x[:, :k], w, config=best_cfg), weights),
+        "plain_best_us": timed(lambda w: gemv(x[:, :k].contiguous(), w, config=best_cfg), weights),
         "cublas_tbs": nbytes / t_plain_cublas / 1e6, "best_tbs": nbytes / best / 1e6,
     }  # fmt: skip
     return row, times
@@ -156,13 +165,15 @@ def main() -> None:
         ]
         norm = RMSNorm(k, 1e-5).to(dev)
         norm.weight.data = torch.rand(k, device=dev) + 0.5
-        tiles = CANDIDATES
+        first = {False: CANDIDATES, True: DOT_CANDIDATES}
+        tiles = {}
         for m in args.rows:
-            row, times = measure(name, weights, norm, m, tiles)
+            dot = m > MAX_ROWS
+            row, times = measure(name, weights, norm, m, tiles.get(dot, first[dot]))
             for cfg, t in times.items():
                 log.write(json.dumps({"shape": name, "m": m, "cfg": cfg.__dict__, "us": t}) + "\n")
-            if tiles is CANDIDATES:  # more rows: only the six fastest tiles of the first count
-                tiles = sorted(times, key=times.get)[:6]
+            if dot not in tiles:  # more rows: only the six fastest tiles of the first count
+                tiles[dot] = sorted(times, key=times.get)[:6]
             log.write(json.dumps(row) + "\n")
             log.flush()
             rows_out.append(row)
@@ -180,10 +191,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows_out:
         b = r["best"]
-        cfg = f"{b['block_n']}/{b['block_k']}/{b['num_warps']}/{b['num_stages']}"
+        cfg = f"{b['block_n']}/{b['block_k']}/{b['num_warps']}/{b['num_stages']}" + (
+            " dot" if b["use_dot"] else ""
+        )
         print(
             f"| {r['shape']} | {r['m']} | {r['variant']} | {r['cublas_us']:.1f} "
-            f"| {r['default_us']:.1f} | {r['best_us']:.1f} | {cfg} "
+            f"| {'-' if r['default_us'] is None else round(r['default_us'], 1)} "
+            f"| {r['best_us']:.1f} | {cfg} "
             f"| {r['cublas_plain_us']:.1f} ({r['cublas_tbs']:.2f}) "
             f"| {r['plain_best_us']:.1f} ({r['best_tbs']:.2f}) |"
         )

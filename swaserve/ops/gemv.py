@@ -20,10 +20,13 @@ own; the differences are of one bf16 step, like split-K's reduction order).
 
 The products accumulate elementwise in registers ([rows, BLOCK_N, BLOCK_K] float32) and are
 summed over K once, after the loop; K is a constexpr so the loop is a `tl.range` the compiler
-pipelines. `benchmarks/gemv_bench.py` times the tiles against cuBLAS per shape."""
+pipelines. A `use_dot` config instead runs tensor-core dots on x padded to 16 rows and rounded
+to the weights' dtype (the GEMM's input, as on the cuBLAS path), for 3 to 16 rows.
+`benchmarks/gemv_bench.py` times the tiles against cuBLAS per shape."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +37,10 @@ from swaserve.ops.activation import ACT_IDS, gated
 from swaserve.ops.rmsnorm import NormParams
 from swaserve.ops.rounding import round_to, rounded
 
-MAX_ROWS = 2  # rows of x this path takes; at 4 cuBLAS won by 10-45% on Llama-8B's shapes
+MAX_ROWS = 2  # rows the engine's path takes; at 4 cuBLAS won by 10-45% on Llama-8B's shapes
+# Rows the tensor-core variant takes (`GemvConfig.use_dot`): swept by benchmarks/gemv_bench.py
+# at 4 to 16 rows, not yet measured, so no default config picks it.
+MAX_DOT_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class GemvConfig:
     block_k: int  # K per loop step, as rows x block_k x block_n products held in registers
     num_warps: int
     num_stages: int
+    use_dot: bool = False  # tensor-core dots on x padded to 16 rows (up to MAX_DOT_ROWS)
 
 
 def default_config(m: int, n: int, k: int, norm: bool = False, act: bool = False) -> GemvConfig:
@@ -73,6 +80,8 @@ def _gemv_kernel(
     K: tl.constexpr,  # a constexpr: the loop is a pipelined `tl.range` (one variant per K)
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
     ACT: tl.constexpr,  # -1, or x = act(X[:, :K]) * X[:, K:] (activation.ACT_IDS)
+    USE_DOT: tl.constexpr,  # tensor-core dots on x padded to BLOCK_M >= 16 rows (see module)
+    INTERPRET: tl.constexpr,  # TRITON_INTERPRET=1: dots in float32 (bf16 tiles are raw there)
     NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -85,7 +94,10 @@ def _gemv_kernel(
     w_ptrs = W + rn_load.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
     # products accumulate elementwise; the one reduction over K comes after the loop
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if K % BLOCK_K == 0:
@@ -106,10 +118,19 @@ def _gemv_kernel(
             else:
                 g = tl.load(G + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
             x = x * (g + g_offset)[None, :]
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if USE_DOT:
+            if INTERPRET or W.dtype.element_ty == tl.float32:
+                acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:  # x (normalised or gated) rounded to the weights' dtype, as the GEMM's input
+                acc += tl.dot(x.to(W.dtype.element_ty), tl.trans(w))
+        else:
+            acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    y = tl.sum(acc, 2)
+    if USE_DOT:
+        y = acc
+    else:
+        y = tl.sum(acc, 2)
     if HAS_NORM:
         y = y * tl.rsqrt(tl.sum(ss, 1) / K + eps)[:, None]
     if HAS_BIAS:
@@ -142,14 +163,15 @@ def gemv(
     n = weight.shape[0]
     bad_act = act is not None and (norm is not None or x.shape[1] != 2 * k)
     if (
-        m > MAX_ROWS
+        m > (MAX_DOT_ROWS if config is not None and config.use_dot else MAX_ROWS)
         or weight.shape[1] != k
         or x.stride(1) != 1
         or not weight.is_contiguous()
         or bad_act
     ):
         raise ValueError(
-            f"gemv takes x [<= {MAX_ROWS}, K] (2 K with `act`, which takes no norm) with unit "
+            f"gemv takes x [<= {MAX_ROWS}, K] ({MAX_DOT_ROWS} rows with a `use_dot` config; "
+            f"2 K with `act`, which takes no norm) with unit "
             f"stride and a contiguous [N, K] weight; got x {tuple(x.shape)} strides "
             f"{x.stride()}, weight {tuple(weight.shape)}, act {act}, norm {norm is not None}"
         )
@@ -167,8 +189,10 @@ def gemv(
         norm.eps if norm is not None else 0.0,
         1.0 if norm is not None and norm.unit_offset else 0.0,
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_NORM=norm is not None,
-        ACT=-1 if act is None else ACT_IDS[act],
-        NUM_STAGES=cfg.num_stages, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
+        ACT=-1 if act is None else ACT_IDS[act], USE_DOT=cfg.use_dot,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", NUM_STAGES=cfg.num_stages,
+        BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
+        BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )  # fmt: skip
     return y

@@ -124,6 +124,10 @@ GEMV_CASES = [
     ("gemv fp32 norm residual", torch.float32, 1, 4096, 14336, True, False, True),
     ("gemv bf16 silu residual", torch.bfloat16, 1, 4096, 14336, "silu", False, True),
     ("gemv bf16 silu residual 2 rows", torch.bfloat16, 2, 4096, 14336, "silu", False, True),
+    # the tensor-core variant (GemvConfig.use_dot, swept by gemv_bench.py at 4 to 16 rows)
+    ("gemv dot bf16 norm 8 rows", torch.bfloat16, 8, 6144, 4096, True, False, False),
+    ("gemv dot bf16 silu residual 16 rows", torch.bfloat16, 16, 4096, 14336, "silu", False,
+     True),
 ]
 
 
@@ -138,12 +142,16 @@ def compile_gemv(case: tuple) -> None:
     _, dtype, m, n, k, norm, bias, res = case
     act = norm if isinstance(norm, str) else None  # an activation name in the norm column
     norm = norm is True
-    cfg = g.default_config(m, n, k, norm, act is not None)
+    if m > g.MAX_ROWS:  # the tensor-core variant: a tile of gemv_bench.py's sweep
+        cfg = g.GemvConfig(32, 128, 4, 4, use_dot=True)
+    else:
+        cfg = g.default_config(m, n, k, norm, act is not None)
     t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     consts = dict(
         K=k, HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, NUM_STAGES=cfg.num_stages,
-        ACT=-1 if act is None else ACT_IDS[act],
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ACT=-1 if act is None else ACT_IDS[act], USE_DOT=cfg.use_dot, INTERPRET=False,
+        BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
     )
     fn = g._gemv_kernel
     sig, attrs = {}, {}
