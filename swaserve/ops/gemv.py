@@ -54,11 +54,12 @@ class GemvConfig:
 
 def default_config(m: int, n: int, k: int, norm: bool = False, act: bool = False) -> GemvConfig:
     """The tile for an [m, k] x [n, k]^T product (m <= MAX_ROWS), from `gemv_bench.py`'s sweeps
-    on the H200 (benchmarks/RESULTS.md, stop 18; Llama-3.1-8B's shapes, within 2% of the best
-    tile on each). Every program reads all of x (and the norm weight) from L2 once, so wide N
-    takes more columns per program when those reads double (a norm in front) and the
-    vocabulary head, where the weights dominate, fewer and longer K steps. Two rows with the
-    activation in front hold gate and up for both: 8 warps (51.6 -> 33.5 us on down)."""
+    on the H200 (benchmarks/RESULTS.md, stop 18; Llama-3.1-8B's shapes: the best tile of each
+    variant at one and two rows, but q/k/v at one row, whose best had 2 stages). Every program
+    reads all of x (and the norm weight) from L2 once, so wide N takes more columns per program
+    when those reads double (a norm in front) and the vocabulary head, where the weights
+    dominate, fewer and longer K steps. Two rows with the activation in front hold gate and up
+    for both: 8 warps (51.6 -> 33.5 us on down)."""
     warps = 4
     if m == 1 and n >= 65536:
         block_n, block_k = 4, 2048
