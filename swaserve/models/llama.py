@@ -127,7 +127,7 @@ class LlamaModel(nn.Module):
 
     def takes_gemv(self, rows: int) -> bool:
         """A step of `rows` tokens runs the decode GEMV path (each layer's `forward_gemv`)."""
-        if rows > self.gemv_rows:
+        if not 0 < rows <= self.gemv_rows:  # an empty step (an idle rank's) keeps the other path
             return False
         if self._gemv_ready is None:
             self._gemv_ready = all(layer.gemv_ready() for layer in self.layers)
