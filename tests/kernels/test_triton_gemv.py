@@ -178,5 +178,6 @@ def test_triton_gemv_path_only_for_dense_llama_layers():
         enable_fused_ops(model)
         assert model.model.takes_gemv(1) == dense, name
         assert not model.model.takes_gemv(MAX_ROWS + 1), name
+        assert not model.model.takes_gemv(0), name  # an idle rank's empty step
         enable_fused_ops(model, enabled=False)
         assert not model.model.takes_gemv(1), name
