@@ -359,10 +359,15 @@ def head_dim_of(config: Any) -> int:
     return hd if hd else config.hidden_size // config.num_attention_heads
 
 
+def head_module(model: nn.Module) -> nn.Module:
+    """The module holding `model`'s vocabulary head: the tied embedding table or lm_head."""
+    return model.model.embed_tokens if model.tie_word_embeddings else model.lm_head
+
+
 def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The raw logits (no soft-capping) of `model`'s head: the tied embedding table or lm_head,
-    either of which may hold its weight packed for the CPU (swaserve/ops/cpu_pack.py)."""
-    head = model.model.embed_tokens if model.tie_word_embeddings else model.lm_head
+    """The raw logits (no soft-capping) of `model`'s head (`head_module`), which may hold its
+    weight packed for the CPU (swaserve/ops/cpu_pack.py)."""
+    head = head_module(model)
     packed = getattr(head, "packed", None)
     if packed is not None:
         return packed.linear(hidden)

@@ -20,6 +20,7 @@ from swaserve.models.blocks import (
     add_rmsnorm,
     head_dim_of,
     head_logits,
+    head_module,
     layer_windows,
     rope_attention_scaling,
     rope_inv_freq,
@@ -163,6 +164,5 @@ class LlamaForCausalLM(nn.Module):
         if hidden.shape[0] == 1 and self.model.takes_gemv(1):  # one row: the GEMV is faster
             from swaserve.ops.gemv import gemv
 
-            head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
-            return gemv(hidden, head.weight)
+            return gemv(hidden, head_module(self).weight)
         return head_logits(self, hidden)

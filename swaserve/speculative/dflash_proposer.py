@@ -43,6 +43,7 @@ from swaserve.engine.request import Request
 from swaserve.memory.groups import GroupLayout
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager
+from swaserve.models.blocks import head_module
 from swaserve.speculative.dflash_model import BatchedContext, DFlashDrafter
 
 # Padded context rows (requests x longest context) drafted in one forward: bounds the gathered
@@ -72,7 +73,7 @@ class DFlashProposer:
         self.page_size = page_size
         self.pool_layer_ids = [num_target_layers + i for i in range(self.cfg.num_layers)]
         embed = target.model.embed_tokens
-        head = embed if target.tie_word_embeddings else target.lm_head
+        head = head_module(target)
         # The target's raw table and head (the reference applies no final softcap of the
         # target's own); a weight packed for the CPU (swaserve/ops/cpu_pack.py) has no dense
         # tensor: its lookup and GEMM are called instead.
