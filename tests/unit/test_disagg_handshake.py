@@ -33,13 +33,17 @@ PS, WINDOW = 16, 24
 PAGE_BYTES = 2 * PS * 2 * 16 * 4
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
+def save_pd_model(path: Path) -> str:
+    """The pair's model, random weights saved in `path`."""
     cfg = tiny_gemma3_config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                              max_position_embeddings=1024, eos_token_id=1)
-    path = tmp_path_factory.mktemp("tiny_gemma3_pd")
     save_random_hf_model(cfg, path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return save_pd_model(tmp_path_factory.mktemp("tiny_gemma3_pd"))
 
 
 def make_core(folder: str, mode: str | None, pages: int = 300, device: str = "cpu",
