@@ -5,7 +5,7 @@ cannot use cuda_ipc: nixl_backend.py).
 (a) Backend level: a pool-shaped CUDA tensor registered in each process, scattered pages (runs
     and single pages) written from one to the other with a notification: the written pages
     equal the source's, every other byte is untouched; float32, bfloat16 and float8 pools, of
-    a tiny page and of a bigger one (8-32 KB per plane page).
+    a tiny page and of a bigger one (4-16 KB per plane page).
 (b) Engine level: tests/unit/test_disagg_handshake.py's pair of tiny Gemma 3 engine cores
     (window 24, pages of 16, float32), the prefill and the decode instance each stepped by
     hand in its own process (the handshake's `side_turn`, integrity checked every turn), the
