@@ -2,7 +2,7 @@
 # Every GPU benchmark of the project in priority order, each under its own time limit, logs
 # and JSON under $OUT (default ./bench_out); a cut-off run keeps what the earlier ones wrote.
 # The default steps take ~30 min: more than one device call (10 min each), so pick with STEPS;
-# gemv, serve_vs_offline and greedy_agreement run only when named. E.g.
+# gemv, serve_vs_offline, greedy_agreement and pd_transfer run only when named. E.g.
 #   STEPS="engine_decode offline_vs_hf" bash benchmarks/run_gpu.sh
 #   STEPS="window_vs_full fp8_vs_bf16 fp8_gemma270m" bash benchmarks/run_gpu.sh g.gguf
 # Usage (repo root): [STEPS="..."] bash benchmarks/run_gpu.sh [gemma-3-270m.gguf]
@@ -34,6 +34,9 @@ step gemv 300 python3 benchmarks/gemv_bench.py --rows 1 2 4 8 16
 # the server's dependencies: `bash scripts/server_wheels_for_device.sh pack` here, carry
 # .devcarry/srv, then eval "$(bash scripts/server_wheels_for_device.sh install /root/srvpy)"
 step serve_vs_offline 600 python3 benchmarks/serve_vs_offline.py
+# NIXL importable: `bash scripts/nixl_for_device.sh pack` here, carry .devcarry/nixl0 and
+# .devcarry/nixl1 (one call each), then eval "$(bash scripts/nixl_for_device.sh install DIR)"
+step pd_transfer 300 python3 benchmarks/pd_transfer.py
 # with the built-in models importable (their GGUF parts joined on the device)
 step greedy_agreement 300 python3 benchmarks/greedy_agreement.py smollm2-135m-instruct
 # DFlash on the built-in model needs a trained drafter: DRAFTER=DIR (swaserve train-drafter)

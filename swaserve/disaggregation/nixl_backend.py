@@ -21,6 +21,17 @@ NIXL_ERR_REMOTE_DISCONNECT, connected before or not. Shared-memory-only transpor
 "none", where a dead peer was still seen at once (measured). A write still in progress at its
 timeout is "failed".
 
+VRAM (a pool on CUDA): UCX's cuda_ipc transport writes into the peer's pool with the GPU's
+copy engines (a CUDA IPC handle of the peer's allocation, opened once; put only, which is all
+a WRITE needs, so no NVLink is required). It loads from the wheel's own `nixl_cu13.libs/ucx`
+(UCX 1.23 in nixl-cu13 1.5.1; seen found there on CPU, no UCX_MODULE_DIR needed) and needs
+libcuda.so.1 and libnvidia-ml.so.1 on the loader path; without them UCX takes VRAM for host
+memory and `register` fails (we say so). The pool, and so its CUDA context, exists before the
+backend (build_side), as NIXL's own GPU tests do it: a UCX worker made before any CUDA context
+may come up without its CUDA transports. Two agents in one process cannot use cuda_ipc (UCX:
+"same process") nor cuda_copy (it reaches its own worker only): UCX would emulate the write
+over tcp, so every VRAM test and benchmark puts the two sides in two processes, as served.
+
 Notifications have no size limit of their own with UCX (an active message, rendezvous when
 large): the completion notice, whose prompt logprobs grow with the prompt (0.4 MB for 4,000
 tokens with the top 5 each, 1.3 MB with the top 20), goes whole with the write, after the
@@ -123,7 +134,16 @@ class NixlBackend(TransferBackend):
         self.layout = PageLayout.of(kv, layout)
         self._mem_type = "VRAM" if kv.is_cuda else "DRAM"
         self._device_id = (kv.device.index or 0) if kv.is_cuda else 0
-        self._reg = self.agent.register_memory(kv)
+        try:
+            self._reg = self.agent.register_memory(kv)
+        except Exception as e:
+            if not kv.is_cuda:
+                raise
+            raise RuntimeError(
+                f"NIXL could not register the KV pool on {kv.device} ({type(e).__name__}: {e}):"
+                " UCX's CUDA transports did not load; they need libcuda.so.1 and "
+                "libnvidia-ml.so.1 on the loader path (UCX_LOG_LEVEL=debug names what failed)"
+            ) from e
         self._kv = kv
         return encode_descriptor(
             self.kind,

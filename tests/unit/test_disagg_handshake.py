@@ -33,19 +33,65 @@ PS, WINDOW = 16, 24
 PAGE_BYTES = 2 * PS * 2 * 16 * 4
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
+def save_pd_model(path: Path) -> str:
+    """The pair's model, random weights saved in `path`."""
     cfg = tiny_gemma3_config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                              max_position_embeddings=1024, eos_token_id=1)
-    path = tmp_path_factory.mktemp("tiny_gemma3_pd")
     save_random_hf_model(cfg, path)
     return str(path)
 
 
-def make_core(folder: str, mode: str | None, pages: int = 300) -> EngineCore:
-    cfg = EngineConfig(model=folder, device="cpu", kv_cache_gb=pages * PAGE_BYTES / 2**30,
-                       disaggregation_mode=mode, disaggregation_transfer_backend="local")
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return save_pd_model(tmp_path_factory.mktemp("tiny_gemma3_pd"))
+
+
+def make_core(folder: str, mode: str | None, pages: int = 300, device: str = "cpu",
+              backend: str = "local", **kw) -> EngineCore:
+    """One instance of the pair (float32: PAGE_BYTES); `kw`: more EngineConfig fields."""
+    cfg = EngineConfig(model=folder, device=device, dtype="float32",
+                       kv_cache_gb=pages * PAGE_BYTES / 2**30, disaggregation_mode=mode,
+                       disaggregation_transfer_backend=backend, **kw)
     return EngineCore(cfg, Path(folder), server=True)
+
+
+def side_turn(core: EngineCore, side) -> tuple[list[list], list]:
+    """One turn of one instance, in core_loop.py's order: the side's messages and transfers,
+    then one engine step. Returns the wire outputs for the frontend (first tokens a decode
+    side continues, then the step's; a prefill side withholds the first tokens it sends) and
+    the side's rejects; the pool's integrity is checked after."""
+    side.poll()
+    outs, side.outputs = side.outputs, []
+    if core.has_unfinished():
+        outs += side.filter_outputs([output_to_wire(o) for o in core.step()])
+    rejects, side.rejects = side.rejects, []
+    core.memory.check_integrity()
+    return outs, rejects
+
+
+def assert_idle(core: EngineCore, side) -> None:
+    """Nothing in flight: no samples on the side, no pages held by requests, pool intact."""
+    assert not side.busy(), side.samples
+    stats = core.memory.stats()
+    assert stats["pages_held_by_requests"] == 0 and stats["num_requests"] == 0, stats
+    core.memory.check_integrity()
+
+
+def assert_same_as_reference(outs: list, ref, i: int, params: SamplingParams) -> None:
+    """A pair's outputs for sample `i` of a prompt equal one engine's (`ref`, a RequestOutput):
+    tokens, their logprobs and top alternatives, prompt logprobs (carried by sample 0)."""
+    assert [t for o in outs for t in o.new_token_ids] == ref.outputs[i].token_ids, i
+    if params.logprobs is not None:
+        got = [lp for o in outs for lp in (o.new_logprobs or [])]
+        want = ref.outputs[i].logprobs
+        assert [g.token_id for g in got] == [w.token_id for w in want]
+        assert [[t for t, _ in g.top] for g in got] == [[t for t, _ in w.top] for w in want]
+        for g, w in zip(got, want):
+            assert abs(g.logprob - w.logprob) < 1e-4
+    if params.prompt_logprobs is not None and i == 0:
+        plp = outs[0].prompt_logprobs
+        assert [None if x is None else x.token_id for x in plp] == [
+            None if x is None else x.token_id for x in ref.prompt_logprobs]
 
 
 class Pair:
@@ -80,23 +126,11 @@ class Pair:
         return cids
 
     def turn(self) -> None:
-        self.ds.poll()
-        self.ps.poll()
-        if self.p.has_unfinished():
-            self.ps.filter_outputs([output_to_wire(o) for o in self.p.step()])
-        self.ps.outputs.clear()
-        self.prefill_rejects += self.ps.rejects
-        self.ps.rejects.clear()
-        for w in self.ds.outputs:
+        outs, rejects = side_turn(self.d, self.ds)
+        for w in outs:
             self.outs[w[0]].append(output_from_wire(w))
-        self.ds.outputs.clear()
-        self.rejects += self.ds.rejects
-        self.ds.rejects.clear()
-        if self.d.has_unfinished():
-            for o in self.d.step():
-                self.outs[o.request_id].append(o)
-        self.p.memory.check_integrity()
-        self.d.memory.check_integrity()
+        self.rejects += rejects
+        self.prefill_rejects += side_turn(self.p, self.ps)[1]
 
     def run(self, until, limit_s: float = 30.0) -> None:
         deadline = time.monotonic() + limit_s
@@ -113,10 +147,7 @@ class Pair:
 
     def idle(self) -> None:
         for core, side in ((self.p, self.ps), (self.d, self.ds)):
-            assert not side.busy(), side.samples
-            stats = core.memory.stats()
-            assert stats["pages_held_by_requests"] == 0 and stats["num_requests"] == 0, stats
-            core.memory.check_integrity()
+            assert_idle(core, side)
 
 
 @pytest.fixture(scope="module")
@@ -173,19 +204,7 @@ def test_outputs_equal_one_engine_and_bytes_follow_the_window(folder, reference)
         pair.run(lambda cids=cids: pair.finished(cids))
         ref = reference.generate(prompt_token_ids=[ids], sampling_params=params)[0]
         for i, cid in enumerate(cids):
-            assert pair.tokens(cid) == ref.outputs[i].token_ids, (k, i)
-            if params.logprobs is not None:
-                got = [lp for o in pair.outs[cid] for lp in (o.new_logprobs or [])]
-                want = ref.outputs[i].logprobs
-                assert [g.token_id for g in got] == [w.token_id for w in want]
-                assert [[t for t, _ in g.top] for g in got] == [[t for t, _ in w.top]
-                                                                for w in want]
-                for g, w in zip(got, want):
-                    assert abs(g.logprob - w.logprob) < 1e-4
-        if params.prompt_logprobs is not None:
-            plp = pair.outs[cids[0]][0].prompt_logprobs
-            assert [None if x is None else x.token_id for x in plp] == [
-                None if x is None else x.token_id for x in ref.prompt_logprobs]
+            assert_same_as_reference(pair.outs[cid], ref, i, params)
         assert pair.ds.stats.bytes - before == n * expected_bytes(len(ids))
         assert pair.ps.stats.bytes == pair.ds.stats.bytes
     pair.run(lambda: not pair.ps.busy())

@@ -19,7 +19,7 @@ from swaserve.disaggregation import bootstrap as B
 from swaserve.disaggregation.transfer import create_transfer_backend
 from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.server.ipc import output_from_wire, output_to_wire
-from tests.unit.test_disagg_transfer import (
+from tests.transfer_helpers import (
     DST,
     LAYOUT,
     SRC,

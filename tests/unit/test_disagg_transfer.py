@@ -19,31 +19,16 @@ from swaserve.disaggregation.transfer import (
     segments,
 )
 from swaserve.memory.groups import build_layout
-from swaserve.memory.kv_pool import KVPool
-
-LAYOUT = build_layout([4, None, 4, 4, None, 4])  # 2 slots per page: 2 swa + 1 full groups
-# Scattered, with a contiguous run (3, 4, 5 -> 7, 8, 9) and a run on one side only (9, 1).
-SRC = [3, 4, 5, 9, 1, 12, 13]
-DST = [7, 8, 9, 2, 20, 15, 3]
-
-
-def pool(num_pages: int, seed: int, page_size: int = 4, layout=LAYOUT, dtype=torch.bfloat16):
-    p = KVPool(layout, num_pages, page_size, 2, 8, dtype, torch.device("cpu"))
-    g = torch.Generator().manual_seed(seed)
-    p.kv.copy_(torch.randn(p.kv.shape, generator=g))
-    return p
-
-
-def expected_after(dst_before: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """The reference: whole pages (every slot, K and V) copied by page id."""
-    out = dst_before.clone()
-    out[:, :, DST] = src[:, :, SRC]
-    return out
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
+from tests.transfer_helpers import (
+    DST,
+    LAYOUT,
+    SRC,
+    expected_after,
+    nixl_only,
+    pool,
+    same_bytes,
+    wait,
+)
 
 # ---- geometry -----------------------------------------------------------------------------
 
@@ -144,20 +129,6 @@ def test_backend_registry_errors(monkeypatch):
 # ---- NIXL between two processes -----------------------------------------------------------
 
 
-def _nixl_missing() -> str | None:
-    from swaserve.disaggregation.nixl_backend import _import_nixl
-
-    try:
-        _import_nixl()
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-NIXL_MISSING = _nixl_missing()
-nixl_only = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL unusable: {NIXL_MISSING}")
-
-
 def _decode_peer(conn, name: str) -> None:
     """The decode side: registers its pool, sends its descriptor, reports what arrives."""
     torch.set_num_threads(1)
@@ -194,13 +165,6 @@ def nixl_prefill():
     backend = create_transfer_backend("nixl", f"prefill-{uuid.uuid4().hex[:8]}")
     yield backend
     backend.close()
-
-
-def wait(backend, handle, limit_s: float = 15.0) -> tuple[str, float]:
-    t0 = time.monotonic()
-    while (state := backend.poll(handle)) == "pending" and time.monotonic() - t0 < limit_s:
-        time.sleep(0.002)
-    return state, time.monotonic() - t0
 
 
 @nixl_only

@@ -83,3 +83,27 @@ def test_scale_out_tiny(tmp_path, capsys, monkeypatch):
     spec = rows["spec", "dp2-ep"]["spec_per_rank"]
     assert set(spec) == {"0", "1"}
     assert all(v["verify_steps"] > 0 and v["tokens_per_verify"] > 1 for v in spec.values())
+
+
+def test_pd_transfer_tiny(tmp_path, capsys, monkeypatch):
+    """benchmarks/pd_transfer.py on CPU: NIXL moves a tiny layout's DRAM pages between two
+    processes, checked on the decode side; window-aware against every layer full."""
+    from tests.transfer_helpers import NIXL_MISSING
+
+    if NIXL_MISSING is not None:
+        pytest.skip(f"NIXL: {NIXL_MISSING}")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.syspath_prepend(str(BENCH))  # its decode process imports it by name (spawn)
+    import pd_transfer
+
+    assert pd_transfer.main(["--device", "cpu", "--tiny", "--placements", "random"]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert len(rows) == 2 + 2 * 2  # header, rule, 2 prompts x 2 layouts
+    recs = [json.loads(x) for x in (tmp_path / "pd_transfer.jsonl").read_text().splitlines()]
+    by = {(r["layout"], r["prompt_tokens"]): r for r in recs}
+    assert all(r["correct"] and r["done_ms"] > 0 and r["copy_gb_s"] > 0 for r in recs)
+    # 200 tokens, window 24, pages of 16: the full group's 13 pages + 2 SWA groups x 2 pages,
+    # pages of 2 layer slots; every layer full: 13 pages of 6 slots
+    aware, full = by["window-aware", 200], by["all-full", 200]
+    assert aware["pages"] == 13 + 2 * 2 and full["pages"] == 13
+    assert full["bytes"] * 17 == aware["bytes"] * 13 * 3
