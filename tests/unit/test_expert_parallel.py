@@ -400,7 +400,7 @@ def test_bad_flags_fail_at_start(folders):
     for kwargs, flag in [
         (dict(speculative_algorithm="dflash"), "--speculative-algorithm"),
         (dict(moe_decode_max_tokens_per_rank=-1), "--moe-decode-max-tokens-per-rank"),
-        (dict(tensor_parallel_size=2), "--data-parallel-size"),
+        (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
     ]:
         with pytest.raises(ValueError, match=rf"^invalid {flag} "):
             EngineConfig(**EP, **kwargs)
