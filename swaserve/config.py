@@ -193,8 +193,6 @@ class EngineConfig:
                 raise bad("dist_init_addr", "must be HOST:PORT")
         elif n > 1:
             raise bad("nnodes", "needs --dist-init-addr HOST:PORT (node 0's address)")
-        if n > 1 and expert:
-            raise bad("nnodes", "is not supported with --enable-expert-parallel yet")
         if n > 1 and self.data_parallel_size > 1 and not expert:
             raise bad("nnodes", f"with --data-parallel-size {self.data_parallel_size} is "
                       "supported with --enable-expert-parallel only (replicas of one machine "

@@ -13,7 +13,9 @@ labels every series with `dp_rank`. One replica's core dying (or its tensor-para
 the core then fails) is the server's end, as with one core: every live request (on any
 replica) ends with an error naming the rank, and the server exits.
 With `--enable-expert-parallel` (MoE models) the D cores also form one torch.distributed group
-whose rendezvous store this process hosts; they step in lockstep (server/core_loop_ep.py).
+whose rendezvous store this process hosts; they step in lockstep (server/core_loop_ep.py). With
+`--nnodes N` only the first D/N cores run here; the others' pipes are TCP sockets bound here
+and handed to their nodes through the store (server/ep_nodes.py).
 
 Watchdog: when the core process exits or reports a fatal error, every live request ends with
 an error, new requests get 503, the reason is logged, and the server exits with status 1
@@ -216,6 +218,7 @@ async def _main(
 
     from swaserve.server.app import ServerState, build_app
     from swaserve.server.dp_client import DPClient
+    from swaserve.server.ep_nodes import local_ranks, publish_pipes, remote_pipes
     from swaserve.server.ipc import CoreClient
     from swaserve.server.metrics import Metrics
     from swaserve.server.metrics_dp import RankedMetrics
@@ -223,11 +226,11 @@ async def _main(
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
     metrics: Any = Metrics() if dp == 1 else RankedMetrics(dp)
     per_rank = [metrics] if dp == 1 else metrics.ranks
-    here = range(dp)
+    here = local_ranks(config)  # ranks 0..: their cores run here, the others on other nodes
     addrs = [
         (f"ipc://{tmp}/in{suffix}", f"ipc://{tmp}/out{suffix}")
         for suffix in ([""] if dp == 1 else [str(i) for i in here])
-    ]
+    ] + [remote_pipes(config) for _ in range(here.stop, dp)]
     clients = [
         CoreClient(tokenizer, a_in, a_out, config.max_queue, m)
         for (a_in, a_out), m in zip(addrs, per_rank)
@@ -235,11 +238,13 @@ async def _main(
     client: Any = clients[0] if dp == 1 else DPClient(clients)
     client.start()
     store = _expert_parallel_store(config)  # hosted here while the cores live
+    for rank in range(here.stop, dp):
+        publish_pipes(store, rank, clients[rank].endpoints())
     try:
         for rank in here:
             rconf = replica_config(config, rank)
             ep = None if store is None else {
-                "rank": rank, "size": dp, "host": store.host, "port": store.port,
+                "rank": rank, "size": dp, "host": store.host, "port": store.port, "node": 0,
             }  # fmt: skip
             a_in, a_out = addrs[rank]
             # on CPU every rank process of this node shares its cores

@@ -105,7 +105,8 @@ def test_killed_worker_of_replica_1_is_a_clear_error(pair):
 
 def test_replica_devices_and_rendezvous(monkeypatch):
     """Replica i of -dp D -tp T: cuda:i*T for its rank 0, the next T - 1 GPUs for its workers,
-    a rendezvous of its own (HOST:PORT + i when given)."""
+    a rendezvous of its own (HOST:PORT + i when given); with expert parallelism over nodes, a
+    rank's GPU is its index on its node."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     cfg = EngineConfig(model="x", device="cuda", data_parallel_size=3, tensor_parallel_size=2,
@@ -118,6 +119,11 @@ def test_replica_devices_and_rendezvous(monkeypatch):
         torch.device("cuda", 4), torch.device("cuda", 5),
     ]  # fmt: skip
     assert replica_config(dataclasses.replace(cfg, dist_init_addr=None), 1).dist_init_addr is None
+    ep = EngineConfig(model="x", device="cuda", data_parallel_size=4, enable_expert_parallel=True,
+                      nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:29500")  # fmt: skip
+    rep = replica_config(ep, 3)
+    assert (rep.device, rep.nnodes, rep.node_rank, rep.dist_init_addr) == ("cuda:1", 1, 0, None)
+    assert not rep.enable_expert_parallel and rep.data_parallel_size == 1
 
 
 def test_flags_still_refused_name_themselves():
@@ -128,5 +134,10 @@ def test_flags_still_refused_name_themselves():
     with pytest.raises(ValueError, match=r"^invalid --nnodes 2 .*--enable-expert-parallel only"):
         EngineConfig(data_parallel_size=2, tensor_parallel_size=2, nnodes=2,
                      dist_init_addr="127.0.0.1:1234")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^invalid --nnodes 2 .*divide --data-parallel-size"):
+        EngineConfig(data_parallel_size=3, enable_expert_parallel=True, nnodes=2,
+                     dist_init_addr="127.0.0.1:1234")  # fmt: skip
+    EngineConfig(data_parallel_size=4, enable_expert_parallel=True, nnodes=2, node_rank=1,
+                 dist_init_addr="127.0.0.1:1234")  # fmt: skip
     with pytest.raises(ValueError, match=r"^invalid --data-parallel-size 2 .*cuda:i"):
         EngineConfig(data_parallel_size=2, tensor_parallel_size=2, device="cuda:1")
