@@ -75,11 +75,9 @@ class DPExpertCore:
         dp_rank: int | None = None,
     ) -> int:
         """Start a request on `dp_rank` (None: by prefix affinity and load); returns the rank."""
-        from swaserve.engine.limits import check_token_ids
+        from swaserve.engine.replicas import place_new_request
 
-        check_token_ids(prompt_token_ids, self.hf_config.vocab_size)
-        self.resolve_max_tokens(len(prompt_token_ids), params)
-        dp_rank = self.placement.place(request_id, prompt_token_ids, dp_rank)
+        dp_rank = place_new_request(self, request_id, prompt_token_ids, params, dp_rank)
         if dp_rank == 0:
             self.local.add_request(request_id, prompt_token_ids, params)
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from swaserve.config import EngineConfig
 from swaserve.engine.core import EngineCore
@@ -30,6 +31,23 @@ class _AnyReplica:
 
     def has_unfinished(self) -> bool:
         return any(r.scheduler.has_unfinished() for r in self.replicas)
+
+
+def place_new_request(
+    core: Any,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    dp_rank: int | None,
+) -> int:
+    """An offline data-parallel core's new request (DPReplicas, DPExpertCore): checked as one
+    EngineCore checks it (token ids, max_tokens within the context) before it is placed
+    (`core.placement`); returns its replica."""
+    from swaserve.engine.limits import check_token_ids
+
+    check_token_ids(prompt_token_ids, core.hf_config.vocab_size)
+    core.resolve_max_tokens(len(prompt_token_ids), params)
+    return core.placement.place(request_id, prompt_token_ids, dp_rank)
 
 
 @contextlib.contextmanager
@@ -74,11 +92,7 @@ class DPReplicas:
         dp_rank: int | None = None,
     ) -> int:
         """Start a request on `dp_rank` (None: by prefix affinity and load); returns the rank."""
-        from swaserve.engine.limits import check_token_ids
-
-        check_token_ids(prompt_token_ids, self.hf_config.vocab_size)
-        self.resolve_max_tokens(len(prompt_token_ids), params)
-        rank = self.placement.place(request_id, prompt_token_ids, dp_rank)
+        rank = place_new_request(self, request_id, prompt_token_ids, params, dp_rank)
         try:
             self.replicas[rank].add_request(request_id, prompt_token_ids, params)
         except BaseException:

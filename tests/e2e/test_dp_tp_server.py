@@ -9,14 +9,17 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import RunningServer
-from tests.helpers import spawned_children
+from tests.e2e.conftest import (
+    RunningServer,
+    concurrent_token_ids,
+    kill_mid_stream,
+    offline_greedy,
+)
+from tests.helpers import random_prompts, spawned_children
 
 pytestmark = pytest.mark.slow  # its own server: 2 core processes and 2 workers
 
@@ -36,29 +39,11 @@ def dp_tp_server(tiny_model_folder, tmp_path_factory):
 
 
 def test_concurrent_requests_equal_one_process(dp_tp_server, tiny_model_folder):
-    from openai import OpenAI
-
-    from swaserve import Engine, SamplingParams
-    from tests.helpers import random_prompts
-
     prompts = random_prompts(49152, [30, 7, 19, 41, 12, 3], seed=4)
     lens = [10, 25, 4, 17, 30, 8]
-    one = Engine(model=str(tiny_model_folder), device="cpu", dtype="float32", page_size=4,
-                 max_num_batched_tokens=16, kv_cache_gb=0.05, disable_fused_ops=True)  # fmt: skip
-    want = [o.token_ids for o in one.generate(prompt_token_ids=prompts, sampling_params=[
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens])]  # fmt: skip
-    client = OpenAI(base_url=dp_tp_server.base_url, api_key="none")
-
-    def complete(ids: list[int], n: int) -> list[int]:
-        r = client.completions.create(
-            model=str(tiny_model_folder), prompt=ids, max_tokens=n, temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )  # fmt: skip
-        return r.choices[0].model_extra["token_ids"]
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(complete, prompts, lens))
-    assert got == want
+    want = offline_greedy(tiny_model_folder, prompts, lens, device="cpu", dtype="float32",
+                          page_size=4, max_num_batched_tokens=16, kv_cache_gb=0.05)  # fmt: skip
+    assert concurrent_token_ids(dp_tp_server, str(tiny_model_folder), prompts, lens) == want
     mem = httpx.get(dp_tp_server.base_url + "/memory", timeout=10).json()
     assert [r["dp_rank"] for r in mem["ranks"]] == [0, 1]
     assert all(r["pages_total"] > 0 for r in mem["ranks"])
@@ -75,15 +60,7 @@ def test_a_killed_worker_of_replica_1_stops_the_server(dp_tp_server, tiny_model_
     assert len(workers) == 1, workers
     body = {"model": str(tiny_model_folder), "prompt": [5, 6, 7], "max_tokens": 2000,
             "stream": True, "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", dp_tp_server.base_url + "/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data:"))
-        t0 = time.monotonic()
-        os.kill(workers[0], signal.SIGKILL)
-        rest = list(lines)
-    assert any('"error"' in line for line in rest), rest[-3:]
-    assert dp_tp_server.proc.wait(timeout=15) != 0
-    assert time.monotonic() - t0 < 15
+    kill_mid_stream(dp_tp_server, body, lambda: os.kill(workers[0], signal.SIGKILL))
     log = dp_tp_server.log()
     assert re.search(r"dp rank 1: .*tensor-parallel rank 1 \(pid \d+\) was killed by SIGKILL",
                      log, re.S), log[-3000:]  # fmt: skip

@@ -12,13 +12,18 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import transformers
 
-from tests.e2e.conftest import RunningServer, free_port
+from tests.e2e.conftest import (
+    RunningServer,
+    concurrent_token_ids,
+    free_port,
+    kill_mid_stream,
+    offline_greedy,
+)
 from tests.helpers import random_prompts, save_random_hf_model
 
 pytestmark = pytest.mark.slow  # two server processes of their own
@@ -67,33 +72,13 @@ def _stop_pair(node0: RunningServer, node1: subprocess.Popen) -> None:
 
 
 def test_two_nodes_serve_with_one_process_tokens(moe_folder, tmp_path):
-    from openai import OpenAI
-
-    from swaserve import Engine, SamplingParams
-
     prompts = random_prompts(128, [30, 7, 19, 41], seed=4)
     lens = [10, 25, 4, 17]  # unequal: a rank idles while the other decodes
-    one = Engine(model=str(moe_folder), device="cpu", dtype="float32", page_size=4,
-                 max_num_batched_tokens=16, kv_cache_gb=0.01, disable_fused_ops=True)  # fmt: skip
-    want = [o.token_ids for o in one.generate(prompt_token_ids=prompts, sampling_params=[
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens])]  # fmt: skip
-    del one
+    want = offline_greedy(moe_folder, prompts, lens, device="cpu", dtype="float32", page_size=4,
+                          max_num_batched_tokens=16, kv_cache_gb=0.01)  # fmt: skip
     node0, node1 = _start_pair(moe_folder, tmp_path)
     try:
-        client = OpenAI(base_url=node0.base_url, api_key="none")
-
-        def complete(ids: list[int], n: int) -> list[int]:
-            r = client.completions.create(
-                model=str(moe_folder), prompt=ids, max_tokens=n, temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )  # fmt: skip
-            return r.choices[0].model_extra["token_ids"]
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(complete, prompts, lens))
-        assert got == want
-        import httpx
-
+        assert concurrent_token_ids(node0, str(moe_folder), prompts, lens) == want
         mem = httpx.get(node0.base_url + "/memory", timeout=10).json()
         assert [r["dp_rank"] for r in mem["ranks"]] == [0, 1]
         assert all(r["pages_total"] > 0 for r in mem["ranks"])
@@ -106,21 +91,11 @@ def test_two_nodes_serve_with_one_process_tokens(moe_folder, tmp_path):
 
 
 def test_a_killed_node_stops_the_other_with_a_clear_error(moe_folder, tmp_path):
-    import httpx
-
     node0, node1 = _start_pair(moe_folder, tmp_path)
     try:
         body = {"model": str(moe_folder), "prompt": [5, 6, 7], "max_tokens": 200,
                 "stream": True, "ignore_eos": True}  # fmt: skip
-        with httpx.stream("POST", node0.base_url + "/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data:"))
-            t0 = time.monotonic()
-            os.killpg(node1.pid, signal.SIGKILL)
-            rest = list(lines)
-        assert any('"error"' in line for line in rest), rest[-3:]
-        assert node0.proc.wait(timeout=15) != 0
-        assert time.monotonic() - t0 < 15
+        kill_mid_stream(node0, body, lambda: os.killpg(node1.pid, signal.SIGKILL))
         log = node0.log()
         assert re.search(r"engine core is gone \(dp rank 0: .*data-parallel rank 1 on other "
                          "nodes failed", log), log[-3000:]  # fmt: skip
