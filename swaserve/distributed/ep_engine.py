@@ -41,6 +41,11 @@ class DPExpertCore:
         from swaserve.weights.loader import load_hf_config
 
         size = config.data_parallel_size
+        if config.nnodes > 1:  # the offline ranks are this machine's processes
+            raise ValueError(
+                f"--nnodes {config.nnodes} with --enable-expert-parallel is for `swaserve "
+                "serve` (the offline Engine runs its ranks on one machine)"
+            )
         check_expert_parallel(load_hf_config(folder), size)  # before any process starts
         self.config = config
         self.parallel, ep = start_offline(config, folder)

@@ -71,3 +71,13 @@ def test_node0_publishes_bound_tcp_pipes():
         assert json.loads(store.get(IPC_KEY.format(3))) == list(bound)
     finally:
         client.close()
+
+
+def test_offline_engine_refuses_nodes(tmp_path):
+    """The offline Engine spawns its ranks here: over nodes it is refused before any starts."""
+    from swaserve import Engine
+
+    with pytest.raises(ValueError, match=r"--nnodes 2 with --enable-expert-parallel is for "
+                       r"`swaserve serve`"):  # fmt: skip
+        Engine(model="gemma-3-270m", load_format="dummy", device="cpu", data_parallel_size=2,
+               enable_expert_parallel=True, nnodes=2, dist_init_addr="127.0.0.1:1")  # fmt: skip
