@@ -4,7 +4,8 @@ data_parallel_size=2, tensor_parallel_size=2)` runs two replicas in this process
 in float32: greedy tokens equal and logprobs within 1e-4 on tiny random Llama and Gemma 3 (slow)
 whose one KV head is replicated on both ranks and whose vocabulary (129) is padded over them, with
 requests on both replicas; `memory_stats()` has both. A killed worker of replica 1 is an error
-naming the replica and the rank within seconds (last: it ends the module's engine). Replica
+naming the replica and the rank within seconds (last: it ends the module's engine). Without
+`-tp`, two one-process replicas give the same outputs too. Replica
 configs and device placement, and the flags still refused, are checked without processes.
 """
 
@@ -83,6 +84,18 @@ def test_greedy_tokens_and_logprobs_equal_one_process(pair):
     mem = four.memory_stats()
     assert [r["dp_rank"] for r in mem["ranks"]] == [0, 1]
     assert mem["pages_total"] == sum(r["pages_total"] for r in mem["ranks"])
+
+
+def test_dp2_without_tp_equals_one_process(folders):
+    """`Engine(data_parallel_size=2)` alone: two one-process replicas here, no worker."""
+    one = Engine(model=str(folders["llama"]), **ENGINE)
+    two = Engine(model=str(folders["llama"]), data_parallel_size=2, **ENGINE)
+    assert [r.parallel for r in two.core.replicas] == [None, None]
+    prompts = random_prompts(VOCAB, [21, 5, 33, 9], seed=6)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    assert_same_outputs(one.generate(prompt_token_ids=prompts, sampling_params=params),
+                        two.generate(prompt_token_ids=prompts, sampling_params=params))
+    assert two.core.placement.routed == [2, 2]
 
 
 @pytest.mark.parametrize("pair", ["llama"], indirect=True)
