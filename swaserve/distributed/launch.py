@@ -322,6 +322,8 @@ def run_node(config: EngineConfig, folder: Path) -> int:
         worker_device(config, first).type == "cuda" and config.cuda_graph_max_bs != 0,
         config.tensor_parallel_size,
     )
+    if worker_device(config, first).type == "cpu":  # its ranks take their share (spawn_ranks)
+        share_cpu_cores(per_node)
     host, port = rendezvous_address(config)
     procs = spawn_ranks(config, folder, host, port, range(first, first + per_node))
     failed = 0

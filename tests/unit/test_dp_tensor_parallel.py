@@ -154,3 +154,25 @@ def test_flags_still_refused_name_themselves():
                  dist_init_addr="127.0.0.1:1234")  # fmt: skip
     with pytest.raises(ValueError, match=r"^invalid --data-parallel-size 2 .*cuda:i"):
         EngineConfig(data_parallel_size=2, tensor_parallel_size=2, device="cuda:1")
+
+
+def test_workers_take_their_nodes_share_of_the_cores(monkeypatch):
+    """On CPU the workers run as many threads as their spawner has once it took its share:
+    another node's launcher shares its cores among its own ranks (here 2 of -tp 4 over 2
+    nodes), never handing them its whole thread count."""
+    import os
+
+    import swaserve.distributed.launch as launch
+
+    seen = []
+    monkeypatch.setattr(launch, "spawn_ranks", lambda *a, **k: seen.append(
+        torch.get_num_threads()) or {})  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(64)
+    try:
+        cfg = EngineConfig(model="x", device="cpu", tensor_parallel_size=4, nnodes=2,
+                           node_rank=1, dist_init_addr="127.0.0.1:1")  # fmt: skip
+        assert launch.run_node(cfg, None) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [max(1, min(64, len(os.sched_getaffinity(0)) // 2))]
