@@ -155,15 +155,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from swaserve.disaggregation.transfer import check_transfer_backend
 
         check_transfer_backend(config.disaggregation_transfer_backend)
-    if config.node_rank > 0:  # another machine's tensor-parallel ranks: no HTTP, no engine core
+    if config.node_rank > 0:  # another machine's ranks: no HTTP
         import logging
 
-        from swaserve.distributed.launch import run_node
         from swaserve.engine.engine import resolve_folder
 
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return run_node(config, resolve_folder(config.model))
+        folder = resolve_folder(config.model)
+        if config.enable_expert_parallel:  # its data-parallel ranks: engine cores
+            from swaserve.server.ep_nodes import run_node as run_ep_node
+
+            return run_ep_node(config, folder, args.log_level)
+        from swaserve.distributed.launch import run_node  # its tensor-parallel workers
+
+        return run_node(config, folder)
     return serve(config, server_args)
 
 

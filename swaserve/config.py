@@ -74,11 +74,13 @@ class EngineConfig:
     # Tensor parallelism (docs/architecture.md, scale-out): one process per rank, rank 0 runs
     # the EngineCore; the others are spawned workers holding their shard of the weights and KV.
     tensor_parallel_size: int = 1
-    nnodes: int = 1  # machines the ranks span (tensor_parallel_size / nnodes ranks on each)
-    node_rank: int = 0  # this machine's index; node 0 runs the engine, the others only workers
+    # Machines the ranks span: tensor_parallel_size / nnodes ranks on each, or with expert
+    # parallelism data_parallel_size / nnodes data-parallel ranks on each.
+    nnodes: int = 1
+    node_rank: int = 0  # this machine's index; node 0 runs the engine(s) and HTTP
     dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: a free local port
-    # Data parallelism: D engine cores behind one frontend (server), or with expert parallelism
-    # also offline.
+    # Data parallelism: D engine-core replicas (each a tensor-parallel group of T ranks) behind
+    # one frontend, or offline in the Engine's process.
     data_parallel_size: int = 1
     # MoE models: the experts split over the D ranks, attention data-parallel (one engine each)
     enable_expert_parallel: bool = False
@@ -151,21 +153,14 @@ class EngineConfig:
             raise bad("speculative_ngram_max", "must be >= --speculative-ngram-min")
 
     def _check_parallel(self, bad) -> None:
-        """Tensor-parallel flags, and what does not run with TP > 1 yet: refused here, before
-        any process starts."""
+        """Tensor-, data- and expert-parallel flags, and what does not run with TP > 1 yet:
+        refused here, before any process starts."""
         tp = self.tensor_parallel_size
         if tp < 1:
             raise bad("tensor_parallel_size", "must be >= 1")
-        if self.nnodes < 1 or tp % self.nnodes:
-            raise bad("nnodes", f"must be >= 1 and divide --tensor-parallel-size ({tp})")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise bad("node_rank", f"must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
-        if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise bad("dist_init_addr", "must be HOST:PORT")
-        elif self.nnodes > 1:
-            raise bad("nnodes", "needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.data_parallel_size < 1:
+            raise bad("data_parallel_size", "must be >= 1")
+        self._check_nodes(bad)
         self._check_data_parallel(bad)
         if tp == 1:
             return
@@ -178,29 +173,44 @@ class EngineConfig:
             if on:
                 raise bad(name, f"is not supported with --tensor-parallel-size {tp} yet")
 
+    def _check_nodes(self, bad) -> None:
+        """--nnodes N: the ranks spread evenly over N machines. What spans them: the
+        tensor-parallel ranks of one engine, or with --enable-expert-parallel the D
+        data-parallel ranks; plain replicas (-dp without expert parallelism) do not yet."""
+        n = self.nnodes
+        expert = self.enable_expert_parallel
+        spread, what = (
+            (self.data_parallel_size, "--data-parallel-size")
+            if expert else (self.tensor_parallel_size, "--tensor-parallel-size")
+        )  # fmt: skip
+        if n < 1 or spread % n:
+            raise bad("nnodes", f"must be >= 1 and divide {what} ({spread})")
+        if not 0 <= self.node_rank < n:
+            raise bad("node_rank", f"must be in 0..{n - 1} (--nnodes {n})")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise bad("dist_init_addr", "must be HOST:PORT")
+        elif n > 1:
+            raise bad("nnodes", "needs --dist-init-addr HOST:PORT (node 0's address)")
+        if n > 1 and self.data_parallel_size > 1 and not expert:
+            raise bad("nnodes", f"with --data-parallel-size {self.data_parallel_size} is "
+                      "supported with --enable-expert-parallel only (replicas of one machine "
+                      "otherwise)")
+
     def _check_data_parallel(self, bad) -> None:
-        """--data-parallel-size D: D full replicas (replica i on cuda:i), or with
-        --enable-expert-parallel D ranks sharing the MoE experts; not with TP yet. Whether the
-        model has experts, and whether D divides them, is checked once it is known
-        (distributed/expert_shards.check_expert_parallel)."""
+        """--data-parallel-size D: D full replicas, each a tensor-parallel group of T ranks
+        (replica i on cuda:i*T .. cuda:i*T+T-1), or with --enable-expert-parallel D ranks
+        sharing the MoE experts. Whether the model has experts, and whether D divides them,
+        is checked once it is known (distributed/expert_shards.check_expert_parallel)."""
         dp = self.data_parallel_size
-        if dp < 1:
-            raise bad("data_parallel_size", "must be >= 1")
         if self.enable_expert_parallel:
             self._check_expert_parallel(bad)
-        if dp == 1:
-            return
-        if self.tensor_parallel_size > 1:
+        if dp > 1 and self.device.startswith("cuda:"):
             raise bad(
                 "data_parallel_size",
-                f"with --tensor-parallel-size {self.tensor_parallel_size} is not supported yet "
-                "(give one of --data-parallel-size and --tensor-parallel-size)",
-            )
-        if self.device.startswith("cuda:"):
-            raise bad(
-                "data_parallel_size",
-                f"with --device {self.device}: replica i uses cuda:i; give --device cuda "
-                "(CUDA_VISIBLE_DEVICES picks the GPUs)",
+                f"with --device {self.device}: replica i uses cuda:i (x --tensor-parallel-size);"
+                " give --device cuda (CUDA_VISIBLE_DEVICES picks the GPUs)",
             )
 
     def _check_expert_parallel(self, bad) -> None:
@@ -208,6 +218,12 @@ class EngineConfig:
         if dp < 2:
             raise bad("enable_expert_parallel", "needs --data-parallel-size >= 2 (the ranks the "
                       "experts are spread over)")
+        # Attention TP inside each data-parallel rank with the experts over all D x T ranks
+        # (vLLM's meaning of -dp -tp --enable-expert-parallel) is not built: refused.
+        if self.tensor_parallel_size > 1:
+            raise bad("tensor_parallel_size", "with --enable-expert-parallel is not supported "
+                      "yet (attention split inside each data-parallel rank, experts over all "
+                      "ranks); give --data-parallel-size alone")
         # N-gram speculation runs per rank (each drafts for its own requests; verify forwards
         # join the MoE exchange like any forward). DFlash stays refused until a test holds it
         # here: its drafter is dense and per rank (no collective), but its context K/V come
@@ -216,8 +232,6 @@ class EngineConfig:
         if self.speculative_algorithm == "dflash":
             raise bad("speculative_algorithm", "is not supported with --enable-expert-parallel "
                       "yet (ngram is)")
-        if self.nnodes > 1:
-            raise bad("nnodes", "is not supported with --enable-expert-parallel yet")
 
     def _check_disaggregation(self, bad) -> None:
         """A PD instance: what does not run inside a pair yet is refused before loading."""
@@ -459,9 +473,14 @@ FLAGS: dict[str, FlagInfo] = {
         "each; gloo on CPU)",
         alias="-tp",
     ),
-    "nnodes": FlagInfo("distributed", "machines the tensor-parallel ranks span"),
+    "nnodes": FlagInfo(
+        "distributed",
+        "machines the ranks span: the tensor-parallel ranks, or with --enable-expert-parallel "
+        "the data-parallel ranks",
+    ),
     "node_rank": FlagInfo(
-        "distributed", "this machine's index; node 0 runs the engine, the others its workers"
+        "distributed", "this machine's index; node 0 runs the engine and HTTP, the others their "
+        "ranks"
     ),
     "dist_init_addr": FlagInfo(
         "distributed",
@@ -470,9 +489,9 @@ FLAGS: dict[str, FlagInfo] = {
     ),
     "data_parallel_size": FlagInfo(
         "distributed",
-        "engine-core replicas behind one HTTP server (offline too with "
-        "--enable-expert-parallel), each with its own scheduler and KV pool (replica i on "
-        "cuda:i); requests go by prefix affinity and load",
+        "engine-core replicas behind one HTTP server (or one offline Engine), each with its own "
+        "scheduler and KV pool and --tensor-parallel-size ranks (replica i on cuda:i*T.."
+        "i*T+T-1); requests go by prefix affinity and load",
         alias="-dp",
     ),
     "enable_expert_parallel": FlagInfo(

@@ -33,6 +33,38 @@ def engine_prompt_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
     return core.runner.logits(hidden)
 
 
+def random_prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    """Seeded random token-id prompts of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def assert_same_outputs(a, b, tol: float = 1e-4) -> None:
+    """Two engines' RequestOutputs: the same tokens; chosen and top logprobs within `tol`."""
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
+            assert abs(lx.logprob - ly.logprob) < tol, (lx, ly)
+            assert max(abs(p - q) for (_, p), (_, q) in zip(lx.top, ly.top)) < tol
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Processes that `pid` started with multiprocessing's spawn (not its resource tracker)."""
+    from pathlib import Path
+
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+                out.append(int(entry.name))
+    return out
+
+
 def save_random_hf_models(configs: dict, tmp_path_factory) -> dict:
     """name -> a fresh folder holding `save_random_hf_model` of configs[name]."""
     out = {}

@@ -17,7 +17,11 @@ Data-parallel attention + expert-parallel MoE (`--data-parallel-size D --enable-
     ep_wire.py          offline: rank 0's messages to the other ranks and their answers
     ep_worker.py        offline: ranks 1..D-1, each a whole EngineCore stepping on rank 0's word
     ep_engine.py        offline: the Engine's core over the D ranks (rank 0 in-process)
-    (the server's lockstep core loop is swaserve/server/core_loop_ep.py)
+    (the server's lockstep core loop is swaserve/server/core_loop_ep.py, its ranks on other
+    nodes swaserve/server/ep_nodes.py)
+
+Data parallelism without experts shared (`-dp D [-tp T]`) needs nothing here beyond TP: D
+replicas, each its own TP group (swaserve/server/launch.py, swaserve/engine/replicas.py).
 
 With `tensor_parallel_size` 1 and no expert parallelism none of this is imported: a single
 process runs as before.

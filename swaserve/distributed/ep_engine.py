@@ -37,10 +37,15 @@ class DPExpertCore:
         from swaserve.distributed.expert_shards import check_expert_parallel
         from swaserve.engine.core import EngineCore
         from swaserve.server.launch import replica_config
-        from swaserve.server.router_dp import PrefixAffinity
+        from swaserve.server.router_dp import Placement
         from swaserve.weights.loader import load_hf_config
 
         size = config.data_parallel_size
+        if config.nnodes > 1:  # the offline ranks are this machine's processes
+            raise ValueError(
+                f"--nnodes {config.nnodes} with --enable-expert-parallel is for `swaserve "
+                "serve` (the offline Engine runs its ranks on one machine)"
+            )
         check_expert_parallel(load_hf_config(folder), size)  # before any process starts
         self.config = config
         self.parallel, ep = start_offline(config, folder)
@@ -56,9 +61,7 @@ class DPExpertCore:
         self.size = size
         self.hf_config = self.local.hf_config
         self.max_model_len = self.local.max_model_len
-        self.requests: dict[str, int] = {}  # live request id -> its rank
-        self.affinity = PrefixAffinity(size)
-        self.routed = [0] * size
+        self.placement = Placement(size)
         self.scheduler = _AnyRank(self)
         self._adds: list[list] = []  # for ranks 1.. at the next step
         self._aborts: list[str] = []
@@ -77,33 +80,18 @@ class DPExpertCore:
         dp_rank: int | None = None,
     ) -> int:
         """Start a request on `dp_rank` (None: by prefix affinity and load); returns the rank."""
-        from swaserve.engine.limits import check_token_ids
-        from swaserve.server.router_dp import choose_replica, prefix_keys
+        from swaserve.engine.replicas import place_new_request
 
-        if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        check_token_ids(prompt_token_ids, self.hf_config.vocab_size)
-        self.resolve_max_tokens(len(prompt_token_ids), params)
-        keys = prefix_keys(prompt_token_ids)
-        if dp_rank is None:
-            loads = [0] * self.size
-            for r in self.requests.values():
-                loads[r] += 1
-            dp_rank = choose_replica(loads, self.affinity.match(keys), self.routed)
-        if not 0 <= dp_rank < self.size:
-            raise ValueError(f"dp_rank {dp_rank} outside 0..{self.size - 1}")
+        dp_rank = place_new_request(self, request_id, prompt_token_ids, params, dp_rank)
         if dp_rank == 0:
             self.local.add_request(request_id, prompt_token_ids, params)
         else:
             self._adds.append([dp_rank, request_id, list(prompt_token_ids), params.to_dict()])
-        self.affinity.record(dp_rank, keys)
-        self.routed[dp_rank] += 1
-        self.requests[request_id] = dp_rank
         return dp_rank
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            rank = self.requests.pop(rid, None)
+            rank = self.placement.forget(rid)
             if rank == 0:
                 self.local.abort_requests([rid])
             elif rank is not None:
@@ -125,7 +113,7 @@ class DPExpertCore:
             outputs += [output_from_wire(w) for w in wire_outs]
         for o in outputs:
             if o.finish_reason is not None:
-                self.requests.pop(o.request_id, None)
+                self.placement.forget(o.request_id)
         return outputs
 
     def has_unfinished(self) -> bool:

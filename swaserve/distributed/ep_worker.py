@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from swaserve.config import EngineConfig
 from swaserve.distributed.ep_wire import CHECK, STATS, STEP, STOP, EPWire
 
@@ -30,7 +32,6 @@ def spawn_workers(config: EngineConfig, folder: Path, host: str, port: int) -> d
 def worker_main(rank: int, spec_json: str) -> None:
     """Process entry of data-parallel rank `rank` (offline, expert parallelism)."""
     from swaserve.distributed.ep_launch import join_expert_parallel, rank_device
-    from swaserve.distributed.parallel_state import share_cpu_cores
     from swaserve.engine.core import EngineCore
     from swaserve.server.launch import replica_config
 
@@ -44,11 +45,9 @@ def worker_main(rank: int, spec_json: str) -> None:
     size = config.data_parallel_size
     device = rank_device(config, rank)
     if device.type == "cuda":
-        import torch
-
         torch.cuda.set_device(device)
-    else:
-        share_cpu_cores(size)
+    else:  # rank 0's share of the cores
+        torch.set_num_threads(spec["threads"])
     ep = join_expert_parallel(size, rank, spec["host"], spec["port"], device)
     try:
         core = EngineCore(replica_config(config, rank), Path(spec["folder"]), ep=ep)

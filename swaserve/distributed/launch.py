@@ -54,7 +54,8 @@ def ready_key(rank: int) -> str:
     return f"swaserve/tp_ready/{rank}"
 
 
-def _rendezvous(config: EngineConfig) -> tuple[str, int]:
+def rendezvous_address(config: EngineConfig) -> tuple[str, int]:
+    """(host, port) of --dist-init-addr; without it, a free port on loopback (one machine)."""
     if config.dist_init_addr:
         host, _, port = config.dist_init_addr.rpartition(":")
         return host.strip("[]"), int(port)
@@ -62,11 +63,13 @@ def _rendezvous(config: EngineConfig) -> tuple[str, int]:
 
 
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
-    """cuda:<local rank> on CUDA (rank 0 included), else the CPU."""
+    """cuda:<first + local rank> on CUDA (rank 0 included), first the index --device names (a
+    data-parallel replica's first GPU; 0 for `cuda`), else the CPU."""
     device = config.torch_device()
     if device.type != "cuda":
         return device
-    return torch.device("cuda", rank % (config.tensor_parallel_size // config.nnodes))
+    first = device.index or 0
+    return torch.device("cuda", first + rank % (config.tensor_parallel_size // config.nnodes))
 
 
 def _exit_reason(code: int | None) -> str:
@@ -92,13 +95,15 @@ def spawn_ranks(
     """Start `ranks` as daemon processes running `target(rank, spec)` (default: the tensor-
     parallel worker; spawn: a fresh interpreter, which imports the main script again, so a
     script that builds an Engine keeps its top level under `if __name__ == "__main__":`). Their
-    start-up message is JSON, as every one in swaserve."""
+    start-up message is JSON, as every one in swaserve; on CPU each takes the intra-op thread
+    count this process has (`threads`: its share of the cores, set before)."""
     if target is None:
         from swaserve.distributed.worker import worker_main as target
 
     spec = json.dumps({
         "config": dataclasses.asdict(config), "folder": str(folder), "host": host, "port": port,
         "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        "threads": torch.get_num_threads(),
     })  # fmt: skip
     ctx = mp.get_context("spawn")
     procs = {}
@@ -164,7 +169,7 @@ class TensorParallel:
                     )
                     break
         if self.failure is not None:
-            raise RankFailure(f"{self.failure}; the engine cannot continue")
+            raise RankFailure(self.failure + CANNOT_CONTINUE)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -189,13 +194,8 @@ class TensorParallel:
             time.sleep(0.05)
         if not self.remote:
             return None
-        lo, hi = self.remote.start, self.remote.stop - 1
-        ranks = f"rank {lo}" if lo == hi else f"ranks {lo}-{hi}"
-        self.failure = (
-            f"a collective with {self.role} {ranks} on other nodes failed (a node is gone or "
-            "unreachable, or its ranks failed: see its log)"
-        )
-        return RankFailure(f"{self.failure}; the engine cannot continue")
+        self.failure = remote_ranks_failed(self.role, self.remote)
+        return RankFailure(self.failure + CANNOT_CONTINUE)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers and drop the groups: STOP, then terminate whoever lingers; not
@@ -203,6 +203,22 @@ class TensorParallel:
         terminate them."""
         self._stopping.graceful = graceful
         self._finalizer()
+
+
+CANNOT_CONTINUE = "; the engine cannot continue"
+
+
+def remote_ranks_failed(role: str, ranks: list[int] | range) -> str:
+    """A collective failed and every rank on this node lives: the ranks on other nodes, whose
+    processes this node cannot see, are named (their node's log says which failed and how)."""
+    lo, hi = min(ranks), max(ranks)
+    where = f"rank {lo}" if lo == hi else f"ranks {lo}-{hi}"
+    if len(ranks) != hi - lo + 1:
+        where = "ranks " + ", ".join(str(r) for r in sorted(ranks))
+    return (
+        f"a collective with {role} {where} on other nodes failed (a node is gone or "
+        "unreachable, or its ranks failed: see its log)"
+    )
 
 
 @dataclasses.dataclass
@@ -282,7 +298,7 @@ def start_tensor_parallel(config: EngineConfig, folder: Path) -> TensorParallel:
     threads = torch.get_num_threads()
     if device.type == "cpu":
         log.info("tensor parallelism on CPU: %d threads per rank", share_cpu_cores(size))
-    host, port = _rendezvous(config)
+    host, port = rendezvous_address(config)
     store = open_store(host, port, size, is_master=True)
     per_node = size // config.nnodes
     procs = spawn_ranks(config, folder, host, store.port, range(1, per_node))
@@ -306,7 +322,9 @@ def run_node(config: EngineConfig, folder: Path) -> int:
         worker_device(config, first).type == "cuda" and config.cuda_graph_max_bs != 0,
         config.tensor_parallel_size,
     )
-    host, port = _rendezvous(config)
+    if worker_device(config, first).type == "cpu":  # its ranks take their share (spawn_ranks)
+        share_cpu_cores(per_node)
+    host, port = rendezvous_address(config)
     procs = spawn_ranks(config, folder, host, port, range(first, first + per_node))
     failed = 0
     for rank, p in procs.items():

@@ -34,12 +34,13 @@ _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 def share_cpu_cores(size: int) -> int:
     """On CPU the T ranks share this machine's cores: each runs cores / T intra-op threads (T
-    processes each spinning every core's worth of threads run many times slower). Returns the
-    thread count set."""
+    processes each spinning every core's worth of threads run many times slower), never more
+    than this process has already (OMP_NUM_THREADS, or the share of a data-parallel replica
+    whose core process then starts its tensor-parallel ranks). Returns the thread count set."""
     import os
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // size)
+    threads = max(1, min(torch.get_num_threads(), (cores or 1) // size))
     torch.set_num_threads(threads)
     return threads
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from swaserve.config import EngineConfig
-from swaserve.distributed.parallel_state import TPGroup, open_store, share_cpu_cores
+from swaserve.distributed.parallel_state import TPGroup, open_store
 from swaserve.distributed.step_wire import COPY, FORWARD, LOGITS, STOP, StepWire
 from swaserve.engine.model_runner import ModelRunner
 
@@ -41,8 +41,8 @@ def worker_main(rank: int, spec_json: str) -> None:
     device = worker_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        share_cpu_cores(config.tensor_parallel_size)
+    else:  # rank 0's share of the cores (its replica's, under data parallelism)
+        torch.set_num_threads(spec["threads"])
     store = open_store(spec["host"], spec["port"], config.tensor_parallel_size, False)
     store.set(ready_key(rank), "1")
     tp = TPGroup.create(store, rank, config.tensor_parallel_size, spec["host"], device)

@@ -110,9 +110,10 @@ class EngineCore:
         self.disagg: Any = None
         if config.disaggregation_mode and not server:
             raise ValueError("--disaggregation-mode is for `swaserve serve` only")
-        if config.data_parallel_size > 1:  # the server starts one core per replica
+        if config.data_parallel_size > 1:  # one replica: the server or the Engine holds D
             raise ValueError(
-                f"--data-parallel-size {config.data_parallel_size} is for `swaserve serve` only"
+                f"--data-parallel-size {config.data_parallel_size}: an EngineCore is one "
+                "replica (the Engine and `swaserve serve` run D of them)"
             )
         try:
             self._start(config, folder, server)
@@ -282,11 +283,13 @@ class EngineCore:
                 "that node with `swaserve serve --node-rank ...`; node 0 runs the engine"
             )
         check_shardable(self.hf_config, size)
-        if self.device.type == "cuda" and self.device.index not in (None, 0):
-            raise ValueError(
-                f"--device {self.config.device} with --tensor-parallel-size {size}: rank r "
-                "uses cuda:r; give --device cuda (CUDA_VISIBLE_DEVICES picks the GPUs)"
-            )
+        if self.device.type == "cuda":  # rank r on cuda:K+r (K: 0, or a replica's first GPU)
+            first, count = self.device.index or 0, torch.cuda.device_count()
+            if first + size // self.config.nnodes > count:
+                raise ValueError(
+                    f"--device {self.config.device} with --tensor-parallel-size {size}: rank r "
+                    f"uses cuda:{first}+r, beyond this machine's {count} GPUs"
+                )
         self.parallel = start_tensor_parallel(self.config, folder)
         return self.parallel.tp
 

@@ -64,6 +64,10 @@ class Engine:
             from swaserve.distributed.ep_engine import DPExpertCore
 
             self.core: Any = DPExpertCore(self.config, self.folder)
+        elif self.config.data_parallel_size > 1:  # D replicas here, each with its T ranks
+            from swaserve.engine.replicas import DPReplicas
+
+            self.core = DPReplicas(self.config, self.folder)
         else:
             self.core = EngineCore(self.config, self.folder)
         self.tokenizer = load_tokenizer(self.folder, self.config.tokenizer)

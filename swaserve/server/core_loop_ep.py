@@ -32,7 +32,7 @@ IDLE_POLL_MS = 20  # an idle rank's wait for requests between two agreements
 
 
 def join_group(config: EngineConfig, spec: dict) -> ExpertParallel:
-    """Join the group the frontend set up: spec {"rank", "size", "host", "port"}."""
+    """Join the group the frontend set up: spec {"rank", "size", "host", "port", "node"}."""
     from swaserve.distributed.ep_launch import join_expert_parallel
 
     device = config.torch_device()
@@ -40,7 +40,9 @@ def join_group(config: EngineConfig, spec: dict) -> ExpertParallel:
         import torch
 
         torch.cuda.set_device(device)
-    return join_expert_parallel(spec["size"], spec["rank"], spec["host"], spec["port"], device)
+    return join_expert_parallel(
+        spec["size"], spec["rank"], spec["host"], spec["port"], device, spec.get("node", 0)
+    )
 
 
 class EPCoreLoop(CoreLoop):

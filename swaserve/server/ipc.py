@@ -169,6 +169,13 @@ class CoreClient:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
 
+    def endpoints(self) -> tuple[str, str]:
+        """The (in, out) addresses bound, with the ports the system picked for `tcp://HOST:*`."""
+        return (
+            self._send.getsockopt_string(zmq.LAST_ENDPOINT),
+            self._recv.getsockopt_string(zmq.LAST_ENDPOINT),
+        )
+
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

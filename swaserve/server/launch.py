@@ -5,13 +5,17 @@ model folder (GGUF conversion happens here, once), bind the IPC sockets, start t
 (`python -m swaserve.server.core_process`), wait for its `ready`, then listen on the bound
 socket (uvicorn) and only then log "serving on ...".
 
-Data parallelism (`--data-parallel-size D` > 1): D core processes, replica i
-on cuda:i (on CPU all share the cores), each with its own IPC sockets and CoreClient, behind
-one `DPClient` (routing: prefix affinity, then load) and one HTTP server; /metrics labels
-every series with `dp_rank`. One replica's core dying is the server's end, as with one core:
-every live request (on any replica) ends with an error naming the rank, and the server exits.
+Data parallelism (`--data-parallel-size D` > 1): D core processes, replica i on cuda:i*T (with
+`-tp T` its core is rank 0 of its own T-rank group and spawns the other T - 1 on the next GPUs;
+on CPU all T x D processes share the cores), each with its own IPC sockets and CoreClient,
+behind one `DPClient` (routing: prefix affinity, then load) and one HTTP server; /metrics
+labels every series with `dp_rank`. One replica's core dying (or its tensor-parallel worker:
+the core then fails) is the server's end, as with one core: every live request (on any
+replica) ends with an error naming the rank, and the server exits.
 With `--enable-expert-parallel` (MoE models) the D cores also form one torch.distributed group
-whose rendezvous store this process hosts; they step in lockstep (server/core_loop_ep.py).
+whose rendezvous store this process hosts; they step in lockstep (server/core_loop_ep.py). With
+`--nnodes N` only the first D/N cores run here; the others' pipes are TCP sockets bound here
+and handed to their nodes through the store (server/ep_nodes.py).
 
 Watchdog: when the core process exits or reports a fatal error, every live request ends with
 an error, new requests get 503, the reason is logged, and the server exits with status 1
@@ -80,14 +84,28 @@ def _exit_reason(code: int) -> str:
 
 
 def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config of data-parallel replica `rank`: one replica; on CUDA, on cuda:rank. With
-    expert parallelism the rank's place in the group travels beside it (the core's spec)."""
-    if config.data_parallel_size == 1:
+    """The config of data-parallel replica `rank`: one replica of T tensor-parallel ranks, on
+    CUDA from cuda:(local rank x T) (its T ranks: the next T GPUs of this node), with a
+    rendezvous of its own (--dist-init-addr HOST:PORT: HOST:PORT+rank; else a free port), so
+    that no two replicas' groups meet. With expert parallelism (T = 1) the rank is one process
+    on one node whose place in the group travels beside the config (the core's spec)."""
+    dp = config.data_parallel_size
+    if dp == 1:
         return config
-    device = f"cuda:{rank}" if config.torch_device().type == "cuda" else config.device
+    local = rank % (dp // config.nnodes) if config.enable_expert_parallel else rank
+    device = config.device
+    if config.torch_device().type == "cuda":
+        device = f"cuda:{local * config.tensor_parallel_size}"
+    addr = config.dist_init_addr
+    if addr is not None and config.tensor_parallel_size > 1:
+        host, _, port = addr.rpartition(":")
+        addr = f"{host}:{int(port) + rank}"
+    else:
+        addr = None  # one process per replica: nothing to meet
     return dataclasses.replace(
-        config, data_parallel_size=1, enable_expert_parallel=False, device=device
-    )
+        config, data_parallel_size=1, enable_expert_parallel=False, device=device,
+        nnodes=1, node_rank=0, dist_init_addr=addr,
+    )  # fmt: skip
 
 
 def start_core(
@@ -200,17 +218,19 @@ async def _main(
 
     from swaserve.server.app import ServerState, build_app
     from swaserve.server.dp_client import DPClient
+    from swaserve.server.ep_nodes import local_ranks, publish_pipes, remote_pipes
     from swaserve.server.ipc import CoreClient
     from swaserve.server.metrics import Metrics
     from swaserve.server.metrics_dp import RankedMetrics
 
-    dp = config.data_parallel_size
+    dp, tp = config.data_parallel_size, config.tensor_parallel_size
     metrics: Any = Metrics() if dp == 1 else RankedMetrics(dp)
     per_rank = [metrics] if dp == 1 else metrics.ranks
+    here = local_ranks(config)  # ranks 0..: their cores run here, the others on other nodes
     addrs = [
         (f"ipc://{tmp}/in{suffix}", f"ipc://{tmp}/out{suffix}")
-        for suffix in ([""] if dp == 1 else [str(i) for i in range(dp)])
-    ]
+        for suffix in ([""] if dp == 1 else [str(i) for i in here])
+    ] + [remote_pipes(config) for _ in range(here.stop, dp)]
     clients = [
         CoreClient(tokenizer, a_in, a_out, config.max_queue, m)
         for (a_in, a_out), m in zip(addrs, per_rank)
@@ -218,20 +238,24 @@ async def _main(
     client: Any = clients[0] if dp == 1 else DPClient(clients)
     client.start()
     store = _expert_parallel_store(config)  # hosted here while the cores live
+    for rank in range(here.stop, dp):
+        publish_pipes(store, rank, clients[rank].endpoints())
     try:
-        for rank, (a_in, a_out) in enumerate(addrs):
+        for rank in here:
             rconf = replica_config(config, rank)
             ep = None if store is None else {
-                "rank": rank, "size": dp, "host": store.host, "port": store.port,
+                "rank": rank, "size": dp, "host": store.host, "port": store.port, "node": 0,
             }  # fmt: skip
-            proc = start_core(rconf, folder, a_in, a_out, args.log_level, cpu_share=dp,
-                              expert_parallel=ep)
+            a_in, a_out = addrs[rank]
+            # on CPU every rank process of this node shares its cores
+            proc = start_core(rconf, folder, a_in, a_out, args.log_level,
+                              cpu_share=len(here) * tp, expert_parallel=ep)
             procs.append(proc)
-            where = "" if dp == 1 else f" (dp rank {rank}, {rconf.device})"
+            where = "" if dp == 1 else f" (dp rank {rank}, {rconf.device}" + (
+                f", {tp} tensor-parallel ranks)" if tp > 1 else ")")
             log.info("engine core process %d is loading %s%s", proc.pid, config.model, where)
-        for c, proc in zip(clients, procs):
-            if not await _wait_ready(c, proc):
-                return 1
+        if not await _wait_ready(procs, clients):
+            return 1
         ready.append(True)
         info = client.info or {}
         state = ServerState(
@@ -288,12 +312,10 @@ def _expert_parallel_store(config: EngineConfig) -> Any:
     the frontend (--dist-init-addr, else a free local port); None otherwise."""
     if not config.enable_expert_parallel:
         return None
+    from swaserve.distributed.launch import rendezvous_address
     from swaserve.distributed.parallel_state import open_store
 
-    host, port = "127.0.0.1", 0
-    if config.dist_init_addr:
-        host, _, p = config.dist_init_addr.rpartition(":")
-        host, port = host.strip("[]"), int(p)
+    host, port = rendezvous_address(config)
     return open_store(host, port, config.data_parallel_size, is_master=True)
 
 
@@ -328,38 +350,36 @@ def _server_class() -> type:
     return Server
 
 
-async def _wait_ready(client: Any, proc: subprocess.Popen) -> bool:
+async def _wait_ready(procs: list[subprocess.Popen], clients: list[Any]) -> bool:
+    """Until every core said `ready`; False (logged) when one failed first or after
+    READY_TIMEOUT_S. `procs[i]` runs `clients[i]`'s core; cores past them run on other nodes
+    (their failures arrive as last words, or as the failure of a core here)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while not client.ready.is_set():
-        code = proc.poll()
-        if code is not None:
+    while True:
+        gone = _first_gone(procs, clients)
+        if gone is not None:
             await asyncio.sleep(0.2)  # its last words may still be on the way
-            log.error(
-                "engine core failed to start (%s)%s",
-                _exit_reason(code),
-                f": {client.dead}" if client.dead else "",
-            )
+            rank, why = _first_gone(procs, clients)
+            where = f" (dp rank {rank})" if len(clients) > 1 else ""
+            log.error("engine core failed to start%s: %s", where, why)
             return False
+        if all(c.ready.is_set() for c in clients):
+            return True
         if time.monotonic() > deadline:
             log.error("engine core not ready after %.0f s", READY_TIMEOUT_S)
             return False
-        try:
-            await asyncio.wait_for(client.ready.wait(), 0.5)
-        except asyncio.TimeoutError:
-            pass
-    if client.dead is not None:
-        log.error("engine core failed to start: %s", client.dead)
-        return False
-    return True
+        await asyncio.sleep(0.1)
 
 
 def _first_gone(procs: list[subprocess.Popen], clients: list[Any]) -> tuple[int, str] | None:
     """(rank, why) of the first core process that exited or reported a fatal error; one that
     exited without last words (killed) first: under expert parallelism the others' errors
-    follow from it."""
+    follow from it. `procs` are this node's (the first ranks); a core on another node is gone
+    once its last words came."""
     gone = []
-    for rank, (proc, c) in enumerate(zip(procs, clients)):
-        code = proc.poll()
+    for rank, c in enumerate(clients):
+        proc = procs[rank] if rank < len(procs) else None
+        code = None if proc is None else proc.poll()
         if code is not None or c.dead is not None:
             gone.append((c.dead is not None, rank, c.dead or
                          f"engine core process {proc.pid} {_exit_reason(code)}"))
@@ -380,7 +400,7 @@ async def _watchdog(
         if gone is None:
             continue
         rank, reason = gone
-        if len(procs) > 1:
+        if len(clients) > 1:
             reason = f"dp rank {rank}: {reason}"
         client.fail_all(reason)
         if clients[rank].metrics is not None:

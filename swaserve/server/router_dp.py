@@ -77,3 +77,38 @@ class PrefixAffinity:
             lru.move_to_end(k)
         while len(lru) > self.capacity:
             lru.popitem(last=False)
+
+
+class Placement:
+    """Offline (the Engine's D replicas or ranks, one process places every request): which
+    replica holds each live request, and which one takes the next (`choose_replica`, with the
+    live requests as the load)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.requests: dict[str, int] = {}  # live request id -> its replica
+        self.affinity = PrefixAffinity(size)
+        self.routed = [0] * size
+
+    def place(
+        self, request_id: str, prompt_token_ids: Sequence[int], dp_rank: int | None = None
+    ) -> int:
+        """The replica of a new request: `dp_rank`, or by prefix affinity and load; recorded."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        keys = prefix_keys(prompt_token_ids)
+        if dp_rank is None:
+            loads = [0] * self.size
+            for r in self.requests.values():
+                loads[r] += 1
+            dp_rank = choose_replica(loads, self.affinity.match(keys), self.routed)
+        if not 0 <= dp_rank < self.size:
+            raise ValueError(f"dp_rank {dp_rank} outside 0..{self.size - 1}")
+        self.affinity.record(dp_rank, keys)
+        self.routed[dp_rank] += 1
+        self.requests[request_id] = dp_rank
+        return dp_rank
+
+    def forget(self, request_id: str) -> int | None:
+        """The replica that held a request that finished or was aborted (None: not live)."""
+        return self.requests.pop(request_id, None)

@@ -121,6 +121,51 @@ def check_dead_rank_1_stops_server(srv: RunningServer, body: dict) -> None:
     assert 503 in statuses and "dp rank 1" in health, (statuses, health)
 
 
+def offline_greedy(folder, prompts: list[list[int]], lens: list[int], **engine) -> list[list[int]]:
+    """One process's greedy tokens (ignore_eos, `lens[i]` of them) for each prompt."""
+    from swaserve import Engine, SamplingParams
+
+    one = Engine(model=str(folder), disable_fused_ops=True, **engine)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
+    return [o.token_ids for o in one.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def concurrent_token_ids(
+    srv: RunningServer, model: str, prompts: list[list[int]], lens: list[int]
+) -> list[list[int]]:
+    """The official client's completions of every prompt at once (greedy, ignore_eos): the
+    token ids of each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=srv.base_url, api_key=srv.api_key or "none")
+
+    def complete(ids: list[int], n: int) -> list[int]:
+        r = client.completions.create(
+            model=model, prompt=ids, max_tokens=n, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        return r.choices[0].model_extra["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(complete, prompts, lens))
+
+
+def kill_mid_stream(srv: RunningServer, body: dict, kill) -> None:
+    """Stream `body` (a completion), call `kill()` after its first chunk: the stream ends with
+    an error and the server exits non-zero within 15 s of the kill."""
+    with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        t0 = time.monotonic()
+        kill()
+        rest = list(lines)
+    assert any('"error"' in line for line in rest), rest[-3:]
+    assert srv.proc.wait(timeout=15) != 0
+    assert time.monotonic() - t0 < 15
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     args = [

@@ -158,7 +158,7 @@ def test_greedy_tokens_and_logprobs_equal_one_process(pair):
             assert max(abs(p - q) for (_, p), (_, q) in zip(lx.top, ly.top)) < TOL
     stats = two.memory_stats()  # both ranks served some of them
     assert [r["dp_rank"] for r in stats["ranks"]] == [0, 1]
-    assert two.core.routed[0] > 0 and two.core.routed[1] > 0
+    assert two.core.placement.routed[0] > 0 and two.core.placement.routed[1] > 0
     two.core.check_integrity()
 
 
@@ -239,7 +239,7 @@ def test_abort_on_one_rank_mid_decode(pair, abort_rank):
     got = drive(two.core, reqs, on_step=abort)
     _assert_close(ref, got, [keeper])
     assert got[victim][3] is None and 0 < len(got[victim][0]) < 30  # stopped mid-decode
-    assert not two.core.requests
+    assert not two.core.placement.requests
     two.core.check_integrity()
 
 
@@ -400,7 +400,7 @@ def test_bad_flags_fail_at_start(folders):
     for kwargs, flag in [
         (dict(speculative_algorithm="dflash"), "--speculative-algorithm"),
         (dict(moe_decode_max_tokens_per_rank=-1), "--moe-decode-max-tokens-per-rank"),
-        (dict(tensor_parallel_size=2), "--data-parallel-size"),
+        (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
     ]:
         with pytest.raises(ValueError, match=rf"^invalid {flag} "):
             EngineConfig(**EP, **kwargs)

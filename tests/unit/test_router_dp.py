@@ -124,8 +124,7 @@ def test_metrics_carry_dp_rank_and_counters_stay_counters():
 
 def test_flag_checks():
     EngineConfig(model="x", data_parallel_size=2)
-    with pytest.raises(ValueError, match="--data-parallel-size.*--tensor-parallel-size"):
-        EngineConfig(model="x", data_parallel_size=2, tensor_parallel_size=2)
+    EngineConfig(model="x", data_parallel_size=2, tensor_parallel_size=2)  # replicas of 2 ranks
     with pytest.raises(ValueError, match="--enable-expert-parallel.*--data-parallel-size >= 2"):
         EngineConfig(model="x", enable_expert_parallel=True)
     EngineConfig(model="x", data_parallel_size=2, enable_expert_parallel=True)  # MoE: checked

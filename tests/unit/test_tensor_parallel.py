@@ -26,7 +26,13 @@ from swaserve.distributed.layers import shard_model
 from swaserve.distributed.nccl_guard import apply_nccl_guard, nccl_graph_register
 from swaserve.distributed.parallel_state import TPGroup
 from swaserve.weights.loader import build_model, load_hf_config
-from tests.helpers import engine_prompt_logits, save_random_hf_models
+from tests.helpers import (
+    assert_same_outputs,
+    engine_prompt_logits,
+    random_prompts,
+    save_random_hf_models,
+    spawned_children,
+)
 
 TOL = 1e-4
 ENGINE = dict(device="cpu", dtype="float32", page_size=4, max_num_batched_tokens=16,
@@ -85,26 +91,12 @@ def pair(request, folders):
     two.core.shutdown()
 
 
-def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def _assert_same(a, b) -> None:
-    """Same tokens; chosen and top logprobs within TOL."""
-    for x, y in zip(a, b, strict=True):
-        assert x.token_ids == y.token_ids
-        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
-            assert abs(lx.logprob - ly.logprob) < TOL, (lx, ly)
-            assert max(abs(p - q) for (_, p), (_, q) in zip(lx.top, ly.top)) < TOL
-
-
 def test_greedy_tokens_and_logprobs_equal_tp1(pair):
     name, one, two = pair
     vocab = one.core.hf_config.vocab_size
-    prompts = _prompts(vocab, [37, 9, 23, 50])  # chunks of 16: prefill in pieces, mixed steps
+    prompts = random_prompts(vocab, [37, 9, 23, 50])  # chunks of 16: prefill in pieces, mixed steps
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-    _assert_same(
+    assert_same_outputs(
         one.generate(prompt_token_ids=prompts, sampling_params=params),
         two.generate(prompt_token_ids=prompts, sampling_params=params),
     )
@@ -127,7 +119,7 @@ def test_prompt_logits_equal_tp1(pair):
     """Every position's logits (the vocabulary gathered, its padding cut) through chunked
     prefill: a padded vocabulary (Llama), softcapped logits (Gemma 3)."""
     name, one, two = pair
-    ids = _prompts(one.core.hf_config.vocab_size, [40], seed=3)[0]
+    ids = random_prompts(one.core.hf_config.vocab_size, [40], seed=3)[0]
     want, got = engine_prompt_logits(one, ids), engine_prompt_logits(two, ids)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < TOL
@@ -142,10 +134,10 @@ def test_prefix_hits_and_copy_on_write_mirrored(pair):
     mirror = two.core.cache.mover.mirror
     two.core.cache.mover.mirror = lambda s, d: (copies.append((list(s), list(d))), mirror(s, d))
     try:
-        base = _prompts(128, [30], seed=5)[0]
+        base = random_prompts(128, [30], seed=5)[0]
         first = [base + [1, 2, 3]]
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
-        _assert_same(
+        assert_same_outputs(
             one.generate(prompt_token_ids=first, sampling_params=params),
             two.generate(prompt_token_ids=first, sampling_params=params),
         )
@@ -154,7 +146,7 @@ def test_prefix_hits_and_copy_on_write_mirrored(pair):
         b = two.generate(prompt_token_ids=second, sampling_params=params)
     finally:
         two.core.cache.mover.mirror = mirror
-    _assert_same(a, b)
+    assert_same_outputs(a, b)
     assert [o.num_cached_tokens for o in b] == [o.num_cached_tokens for o in a]
     assert all(o.num_cached_tokens > 8 for o in b)  # hits reach past the window
     assert copies, "no copy-on-write page copy was mirrored"
@@ -190,7 +182,7 @@ def test_killed_worker_is_a_clear_error_within_seconds(folders):
     try:
         worker = engine.core.parallel.procs[1]
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-        prompts = _prompts(129, [20] * 4)
+        prompts = random_prompts(129, [20] * 4)
         threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 .*killed by SIGKILL"):
@@ -265,30 +257,13 @@ def test_fp8_kv_scales_agree_over_the_ranks(pair, folders):
             (one8.core.kv.v_scales, two8.core.kv.v_scales),
         ):
             assert a == pytest.approx(b, rel=1e-6)
-        prompts = _prompts(129, [30, 11], seed=7)
+        prompts = random_prompts(129, [30, 11], seed=7)
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         a = one8.generate(prompt_token_ids=prompts, sampling_params=params)
         b = two8.generate(prompt_token_ids=prompts, sampling_params=params)
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
     finally:
         two8.core.shutdown()
-
-
-def _spawned_children(pid: int) -> list[int]:
-    """Processes that `pid` started with multiprocessing's spawn (not its resource tracker)."""
-    from pathlib import Path
-
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
-                out.append(int(entry.name))
-    return out
 
 
 @pytest.mark.slow
@@ -319,7 +294,7 @@ def test_server_with_tp2_then_a_worker_dies(folders, tmp_path):
     )
     try:
         srv.wait_ready(timeout=300)
-        prompts = _prompts(129, [25, 9], seed=11)
+        prompts = random_prompts(129, [25, 9], seed=11)
         want = Engine(model=folder, disable_fused_ops=True, **ENGINE).generate(  # dense: as TP
             prompt_token_ids=prompts,
             sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
@@ -330,7 +305,7 @@ def test_server_with_tp2_then_a_worker_dies(folders, tmp_path):
                 "ignore_eos": True, "return_token_ids": True})  # fmt: skip
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == w.token_ids
-        workers = _spawned_children(srv.core_pid())
+        workers = spawned_children(srv.core_pid())
         assert len(workers) == 1
         start = time.monotonic()
         os.kill(workers[0], signal.SIGKILL)

@@ -1,0 +1,95 @@
+"""An expert-parallel server over several machines (`swaserve serve -dp D --enable-expert-parallel
+--nnodes N --node-rank k --dist-init-addr HOST:PORT`): the same D engine-core processes as on one
+machine, D/N of them on each node, rank r on node r // (D/N).
+
+    node 0   HTTP frontend, the rendezvous store at HOST:PORT, its D/N cores (IPC sockets).
+             For each rank on another node it binds the core's two ZMQ pipes on TCP (HOST's
+             address, ports the system picks) and publishes them in the store (`IPC_KEY`).
+    node k   no HTTP: `run_node` reads its ranks' pipes from the store, starts their cores
+             (`python -m swaserve.server.core_process`, as node 0 does) and waits for them.
+
+Every core then joins the one expert-parallel group and steps in lockstep (core_loop_ep.py), so
+node 0's frontend routes to every rank alike. A node that dies fails the next collective on the
+others, named as their ranks on other nodes (ep_launch.PidWatch); a core that fails sends its
+last words to node 0 over its pipe. Node k exits when its cores have: 0 when node 0 stopped
+them, 1 when one failed. The pipes carry msgpack, never pickle; like the store they are open to
+whoever reaches HOST (run it on a trusted network).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from swaserve.config import EngineConfig
+from swaserve.distributed.launch import rendezvous_address
+
+log = logging.getLogger("swaserve.server")
+IPC_KEY = "swaserve/ep_ipc/{}"
+
+
+def local_ranks(config: EngineConfig) -> range:
+    """The data-parallel ranks whose engine cores run on this node: D/N on each of N with
+    expert parallelism (the data-parallel ranks span the nodes), else all D on node 0 (the
+    tensor-parallel ranks may span nodes: node k runs workers, no core)."""
+    if not config.enable_expert_parallel:
+        return range(config.data_parallel_size) if config.node_rank == 0 else range(0)
+    per_node = config.data_parallel_size // config.nnodes
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+
+
+def remote_pipes(config: EngineConfig) -> tuple[str, str]:
+    """What node 0 binds for a core on another node: TCP on the --dist-init-addr host's IPv4
+    address (the address the other nodes reach), any free port."""
+    ip = socket.gethostbyname(rendezvous_address(config)[0])
+    return f"tcp://{ip}:*", f"tcp://{ip}:*"
+
+
+def publish_pipes(store: Any, rank: int, endpoints: tuple[str, str]) -> None:
+    """Node 0: rank `rank`'s bound (in, out) pipes, for its node to read."""
+    store.set(IPC_KEY.format(rank), json.dumps(list(endpoints)))
+
+
+def run_node(config: EngineConfig, folder: Path, log_level: str) -> int:
+    """Node k > 0: start this node's cores on the pipes node 0 published, wait for them; 1 if
+    one failed. SIGTERM stops them (node 0's server then ends: a rank left)."""
+    from swaserve.distributed.parallel_state import open_store
+    from swaserve.server.launch import _exit_reason, replica_config, start_core
+
+    host, port = rendezvous_address(config)
+    size = config.data_parallel_size
+    store = open_store(host, port, size, is_master=False)  # waits for node 0's
+    ranks = local_ranks(config)
+    procs: dict[int, subprocess.Popen] = {}
+
+    def stop(signum: int, _frame: Any) -> None:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        for rank in ranks:
+            in_addr, out_addr = json.loads(store.get(IPC_KEY.format(rank)))
+            ep = {"rank": rank, "size": size, "host": host, "port": port,
+                  "node": config.node_rank}  # fmt: skip
+            procs[rank] = start_core(replica_config(config, rank), folder, in_addr, out_addr,
+                                     log_level, cpu_share=len(ranks), expert_parallel=ep)
+            log.info("engine core process %d is loading %s (dp rank %d of %d, node %d)",
+                     procs[rank].pid, config.model, rank, size, config.node_rank)
+    except BaseException:
+        stop(signal.SIGTERM, None)
+        raise
+    failed = 0
+    for rank, p in procs.items():
+        code = p.wait()
+        if code:
+            log.error("dp rank %d's engine core process %d %s", rank, p.pid, _exit_reason(code))
+            failed = 1
+    return failed

@@ -1,0 +1,83 @@
+"""Expert parallelism over nodes, without processes: which ranks a node runs, how a failed
+collective is named when the dead peer is on this node (its pid) or on another (a remote
+rank, whose pid means nothing here), and the pipes node 0 binds and publishes for a remote
+core. The two-node server itself: tests/e2e/test_two_node_ep_server.py (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from swaserve.config import EngineConfig
+from swaserve.distributed.ep_launch import PidWatch
+from swaserve.server.ep_nodes import IPC_KEY, local_ranks, publish_pipes, remote_pipes
+from swaserve.server.ipc import CoreClient
+
+
+def _ep(**kw) -> EngineConfig:
+    return EngineConfig(model="x", data_parallel_size=4, enable_expert_parallel=True, **kw)
+
+
+def test_local_ranks():
+    assert local_ranks(_ep()) == range(4)
+    two = dict(nnodes=2, dist_init_addr="127.0.0.1:1")
+    assert local_ranks(_ep(**two)) == range(0, 2)
+    assert local_ranks(_ep(**two, node_rank=1)) == range(2, 4)
+    assert local_ranks(EngineConfig(model="x", data_parallel_size=3)) == range(3)
+    # tensor parallelism over nodes: node 0 runs the one core, node 1 its workers only
+    tp = dict(model="x", tensor_parallel_size=2, **two)
+    assert local_ranks(EngineConfig(**tp)) == range(1)
+    assert local_ranks(EngineConfig(**tp, node_rank=1)) == range(0)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid  # reaped: no such process (until the pid is reused)
+
+
+def test_pid_watch_names_a_local_peer_by_pid_and_remote_ranks_as_such():
+    me, dead = os.getpid(), _dead_pid()
+    # rank 1 (this node) died: named by its pid, even with ranks on another node
+    watch = PidWatch({0: (0, me), 1: (0, dead), 2: (1, me), 3: (1, me)}, 0)
+    assert (watch.peers, watch.remote) == ({1: dead}, [2, 3])
+    with pytest.raises(RuntimeError, match=rf"data-parallel rank 1 \(pid {dead}\) is gone"):
+        raise watch.explain()
+    # every peer here lives: the ranks on the other node are the failure; a remote rank's pid
+    # (dead here) is never looked up on this machine
+    watch = PidWatch({0: (1, me), 1: (1, me), 2: (0, dead), 3: (0, me)}, 1)
+    failure = watch.explain()
+    assert "data-parallel ranks 2-3 on other nodes failed" in str(failure)
+    assert "expert-parallel group cannot continue" in str(failure)
+    # one node: nothing to blame (the error is not a rank's death)
+    assert PidWatch({0: (0, me), 1: (0, me)}, 0).explain() is None
+
+
+def test_node0_publishes_bound_tcp_pipes():
+    cfg = _ep(nnodes=2, dist_init_addr="localhost:29500")
+    pipes = remote_pipes(cfg)
+    assert pipes == ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    client = CoreClient(None, *pipes, max_queue=4)
+    store = dist.HashStore()
+    try:
+        bound = client.endpoints()
+        assert all(e.startswith("tcp://127.0.0.1:") and not e.endswith(":*") for e in bound)
+        publish_pipes(store, 3, bound)
+        assert json.loads(store.get(IPC_KEY.format(3))) == list(bound)
+    finally:
+        client.close()
+
+
+def test_offline_engine_refuses_nodes(tmp_path):
+    """The offline Engine spawns its ranks here: over nodes it is refused before any starts."""
+    from swaserve import Engine
+
+    with pytest.raises(ValueError, match=r"--nnodes 2 with --enable-expert-parallel is for "
+                       r"`swaserve serve`"):  # fmt: skip
+        Engine(model="gemma-3-270m", load_format="dummy", device="cpu", data_parallel_size=2,
+               enable_expert_parallel=True, nnodes=2, dist_init_addr="127.0.0.1:1")  # fmt: skip
