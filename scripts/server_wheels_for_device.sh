@@ -16,7 +16,8 @@ MODULES="fastapi=fastapi starlette=starlette annotated-doc=annotated_doc pydanti
 pydantic_core=pydantic_core annotated-types=annotated_types typing-inspection=typing_inspection
 uvicorn=uvicorn h11=h11 click=click pyzmq=zmq prometheus_client=prometheus_client anyio=anyio
 sniffio=sniffio httpx=httpx httpcore=httpcore idna=idna certifi=certifi Jinja2=jinja2
-MarkupSafe=markupsafe typing_extensions=typing_extensions"
+MarkupSafe=markupsafe typing_extensions=typing_extensions opentelemetry-api=opentelemetry
+importlib_metadata=importlib_metadata zipp=zipp"
 case "${1:-}" in
 pack)
     py=${PYTHON:-.venv/bin/python}
@@ -50,7 +51,7 @@ install)
             --target "$target" "${missing[@]}" >&2
         printf 'installed %s\n' "${missing[@]##*/}" >&2
     fi
-    check="import fastapi, uvicorn, pydantic, zmq, httpx, prometheus_client, jinja2"
+    check="import fastapi, uvicorn, pydantic, zmq, httpx, prometheus_client, jinja2, opentelemetry"
     if ! PYTHONPATH=$target python3 -c "$check" 2>/dev/null; then
         # pydantic wants a newer typing_extensions than the device's: this one goes first
         python3 -m pip install -q --no-index --no-deps --disable-pip-version-check \
