@@ -16,8 +16,7 @@ MODULES="fastapi=fastapi starlette=starlette annotated-doc=annotated_doc pydanti
 pydantic_core=pydantic_core annotated-types=annotated_types typing-inspection=typing_inspection
 uvicorn=uvicorn h11=h11 click=click pyzmq=zmq prometheus_client=prometheus_client anyio=anyio
 sniffio=sniffio httpx=httpx httpcore=httpcore idna=idna certifi=certifi Jinja2=jinja2
-MarkupSafe=markupsafe typing_extensions=typing_extensions opentelemetry-api=opentelemetry
-importlib_metadata=importlib_metadata zipp=zipp"
+MarkupSafe=markupsafe typing_extensions=typing_extensions opentelemetry-api=opentelemetry"
 case "${1:-}" in
 pack)
     py=${PYTHON:-.venv/bin/python}
