@@ -34,8 +34,8 @@ step gemv 300 python3 benchmarks/gemv_bench.py --rows 1 2 4 8 16
 # the server's dependencies: `bash scripts/server_wheels_for_device.sh pack` here, carry
 # .devcarry/srv, then eval "$(bash scripts/server_wheels_for_device.sh install /root/srvpy)"
 step serve_vs_offline 600 python3 benchmarks/serve_vs_offline.py
-# NIXL importable: `bash scripts/nixl_for_device.sh pack` here, carry .devcarry/nixl0 and
-# .devcarry/nixl1 (one call each), then eval "$(bash scripts/nixl_for_device.sh install DIR)"
+# NIXL importable: `bash scripts/nixl_for_device.sh pack` here, carry .devcarry/nixl, then
+# eval "$(bash scripts/nixl_for_device.sh install /root/nixl)"
 step pd_transfer 300 python3 benchmarks/pd_transfer.py
 # with the built-in models importable (their GGUF parts joined on the device)
 step greedy_agreement 300 python3 benchmarks/greedy_agreement.py smollm2-135m-instruct
