@@ -97,9 +97,8 @@ def make_pool(spec: dict) -> KVPool:
 
 
 def page_bytes_view(pool: KVPool) -> torch.Tensor:
-    """The pool as [slots, k|v, pages, bytes of one plane page]."""
-    kv = pool.kv
-    return kv.view(torch.uint8).view(kv.shape[0], 2, kv.shape[2], -1)
+    """The pool as [pages, bytes of one page] (page-major: a page is one block)."""
+    return pool.pages.view(torch.uint8).view(pool.num_pages, -1)
 
 
 def page_marks(pages: torch.Tensor) -> torch.Tensor:
@@ -111,15 +110,15 @@ def check_pages(pool: KVPool, pairs: list[tuple[int, int]], written: set[int]) -
     """None if each destination page of `pairs` (the last write) holds its source page's mark
     and the lowest page no write touched (`written`: every page written so far) is still
     zero; else what is wrong."""
-    view, dev = page_bytes_view(pool), pool.kv.device
+    view, dev = page_bytes_view(pool), pool.pages.device
     for start in range(0, len(pairs), CHECK_PAGES):
         part = pairs[start : start + CHECK_PAGES]
         src = torch.tensor([s for s, _ in part], device=dev)
         dst = torch.tensor([d for _, d in part], device=dev)
-        if not bool((view[:, :, dst] == page_marks(src)[None, None, :, None]).all()):
+        if not bool((view[dst] == page_marks(src)[:, None]).all()):
             return f"a page among {dst.tolist()[:8]}... does not hold its source's bytes"
     free = next((p for p in range(1, pool.num_pages) if p not in written), None)
-    if free is not None and bool(view[:, :, free].any()):
+    if free is not None and bool(view[free].any()):
         return f"page {free} was not written but changed"
     return None
 
@@ -144,7 +143,7 @@ def _receiver(conn) -> None:
                     torch.cuda.empty_cache()
                 pool, written = make_pool(msg[1]), set()
                 backend = create_transfer_backend("nixl", f"decode-{uuid.uuid4().hex[:8]}")
-                conn.send(("pool", backend.name, backend.register(pool.kv, pool.layout)))
+                conn.send(("pool", backend.name, backend.register(pool.pages, pool.layout)))
             elif msg[0] == "expect":
                 got: list = []
                 deadline = time.monotonic() + msg[1]
@@ -247,13 +246,13 @@ def run_rows(args: argparse.Namespace, shape: dict) -> list[dict[str, Any]]:
                 torch.cuda.empty_cache()
             pool = make_pool(spec)
             view = page_bytes_view(pool)
-            view.copy_(page_marks(torch.arange(pool.num_pages, device=pool.kv.device))
-                       [None, None, :, None].expand(view.shape))
-            page_bytes = view[:, :, 0].numel()
+            view.copy_(page_marks(torch.arange(pool.num_pages, device=pool.pages.device))
+                       [:, None].expand(view.shape))
+            page_bytes = view[0].numel()
             peer, descriptor = receiver.ask(("pool", spec))
             sender = create_transfer_backend("nixl", f"prefill-{uuid.uuid4().hex[:8]}",
                                              timeout_s=args.timeout)
-            sender.register(pool.kv, layout)
+            sender.register(pool.pages, layout)
             sender.connect(peer, descriptor)
             log(f"{name}: {[(g.kind, g.window, len(g.layers)) for g in layout.groups]}, "
                 f"{pool.num_pages} pages of {page_bytes / 2**20:.2f} MiB")
@@ -268,7 +267,7 @@ def run_rows(args: argparse.Namespace, shape: dict) -> list[dict[str, Any]]:
                     reps = max(1, min(args.reps, int(args.budget_s / max(first["done_s"], 1e-6))))
                     writes = [timed_write(sender, receiver, peer, pairs, args.timeout)
                               for _ in range(reps)]
-                    copies = copy_ceiling(pool.kv.view(-1).view(torch.uint8), nbytes, reps)
+                    copies = copy_ceiling(pool.pages.view(-1).view(torch.uint8), nbytes, reps)
                     med = {k: statistics.median(w[k] for w in writes) for k in writes[0]}
                     copy_s = statistics.median(copies)
                     row = {

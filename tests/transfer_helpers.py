@@ -26,15 +26,16 @@ def pool(num_pages: int, seed: int, page_size: int = 4, layout=LAYOUT,
     on every device)."""
     p = KVPool(layout, num_pages, page_size, heads, dim, dtype, torch.device(device))
     g = torch.Generator().manual_seed(seed)
-    p.kv.copy_(torch.randn(p.kv.shape, generator=g))
+    p.pages.copy_(torch.randn(p.pages.shape, generator=g))
     return p
 
 
 def expected_after(dst_before: torch.Tensor, src: torch.Tensor, src_pages: list[int] = SRC,
                    dst_pages: list[int] = DST) -> torch.Tensor:
-    """The reference: whole pages (every slot, K and V) copied by page id, the rest as before."""
+    """The reference: whole pages (every slot, K and V) copied by page id, the rest as before
+    (page-major pools, `KVPool.pages`)."""
     out = dst_before.clone()
-    out[:, :, dst_pages] = src[:, :, src_pages]
+    out[dst_pages] = src[src_pages]
     return out
 
 

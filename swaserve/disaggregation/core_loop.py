@@ -43,7 +43,7 @@ def build_side(core: Any) -> Any:
     mode = config.disaggregation_mode
     name = f"{mode}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     backend = create_transfer_backend(config.disaggregation_transfer_backend, name)
-    descriptor = backend.register(core.kv.kv, core.layout)
+    descriptor = backend.register(core.kv.pages, core.layout)
     boot = B.Bootstrap(os.environ.get(BOOTSTRAP_HOST_ENV, "127.0.0.1"))
     timeout = config.disaggregation_timeout
     if mode == "prefill":

@@ -71,7 +71,7 @@ class PrefillSide:
         self.stats = TransferStats()
         self.outputs: list[list] = []  # for the frontend, in order
         self.rejects: list[Reject] = []
-        page_bytes = core.kv.kv[:, :, 0].numel() * core.kv.kv.element_size()
+        page_bytes = core.kv.pages[0].numel() * core.kv.pages.element_size()
         self.page_bytes = page_bytes
 
     # ---- from the frontend ---------------------------------------------------------------

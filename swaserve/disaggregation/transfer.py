@@ -2,15 +2,16 @@
 (DESIGN §9.3, the worker face of the connector, STYLE 15).
 
 A page id names the same thing on both sides: K and V of `page_size` tokens for every layer
-slot. In the unified pool `kv[slot, k|v, page, offset, head, dim]` (memory/kv_pool.py) a page
-is not contiguous: it is one block of `plane_page_bytes` in each of the `2 * slots_per_page`
-planes (slot, k|v). A backend registers the whole pool tensor once and moves byte segments:
-
-    plane (s, h) = s * 2 + h       starts at  plane * num_pages * plane_page_bytes
-    page p of that plane           starts at  plane start + p * plane_page_bytes
+slot. The unified pool is page-major, `pages[page, slot, k|v, offset, head, dim]`
+(memory/kv_pool.py): page p is one contiguous block of `page_bytes` at `p * page_bytes`. A
+backend registers the whole pool tensor (`KVPool.pages`) once and moves byte segments, one per
+run of pages consecutive on both sides:
 
     src pages [3, 4, 5, 9] -> dst pages [7, 8, 9, 2]: runs (3->7, len 3), (9->2, len 1)
-    segments: 2 runs x 2 * slots_per_page planes, each `len * plane_page_bytes` long
+    segments: (3 * page_bytes, 7 * page_bytes, 3 * page_bytes), (9 * .., 2 * .., 1 * ..)
+
+(The earlier plane-major pool made 2 x slots_per_page segments of every run; scattered pages
+through NIXL on the H200 went at 6-9 GB/s, ~8 us a segment: benchmarks/RESULTS.md, stop 19.)
 
 Both pools share everything but `num_pages` (a decode pool may be larger than a prefill
 pool); `connect` refuses a peer whose page layout differs (`LayoutMismatchError`).
@@ -36,7 +37,7 @@ import torch
 from swaserve.memory.groups import GroupLayout
 from swaserve.memory.pool import NULL_PAGE
 
-DESCRIPTOR_VERSION = 1
+DESCRIPTOR_VERSION = 2  # 2: page-major pools (1 was plane-major)
 TransferState = Literal["pending", "done", "failed"]
 
 
@@ -58,21 +59,22 @@ class PageLayout:
 
     @classmethod
     def of(cls, kv: torch.Tensor, layout: GroupLayout | None = None) -> PageLayout:
-        if kv.dim() != 6 or kv.shape[1] != 2:
+        """The layout of a page-major pool tensor (`KVPool.pages`)."""
+        if kv.dim() != 6 or kv.shape[2] != 2:
             raise ValueError(
-                f"a KV pool is [slots, 2, pages, page_size, heads, dim], got {tuple(kv.shape)}"
+                f"a KV pool is [pages, slots, 2, page_size, heads, dim], got {tuple(kv.shape)}"
             )
         if not kv.is_contiguous():
             raise ValueError("a KV pool tensor must be contiguous to be registered")
         groups = None
         if layout is not None:
-            if layout.slots_per_page != kv.shape[0]:
+            if layout.slots_per_page != kv.shape[1]:
                 raise ValueError(
                     f"layout has {layout.slots_per_page} slots per page, the pool "
-                    f"tensor {kv.shape[0]}"
+                    f"tensor {kv.shape[1]}"
                 )
             groups = tuple((g.kind, g.window, tuple(g.layers)) for g in layout.groups)
-        slots, _, pages, page_size, heads, dim = kv.shape
+        pages, slots, _, page_size, heads, dim = kv.shape
         return cls(
             slots, pages, page_size, heads, dim, str(kv.dtype).removeprefix("torch."), groups
         )
@@ -82,14 +84,11 @@ class PageLayout:
         return torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
 
     @property
-    def plane_page_bytes(self) -> int:
-        """One page of one (slot, k|v) plane: the unit every segment is a multiple of."""
-        return self.page_size * self.kv_heads * self.head_dim * self.itemsize
-
-    @property
     def page_bytes(self) -> int:
-        """One whole page id (memory/manager.py `page_bytes`)."""
-        return 2 * self.slots_per_page * self.plane_page_bytes
+        """One whole page id (memory/manager.py `page_bytes`): the unit of every segment."""
+        return 2 * self.slots_per_page * self.page_size * self.kv_heads * self.head_dim * (
+            self.itemsize
+        )
 
     def check_compatible(self, peer: PageLayout) -> None:
         """Raise LayoutMismatchError naming every field (but num_pages) that differs."""
@@ -133,16 +132,11 @@ def check_pages(src: list[int], dst: list[int], src_pages: int, dst_pages: int) 
 def segments(
     src_layout: PageLayout, dst_layout: PageLayout, src: list[int], dst: list[int]
 ) -> np.ndarray:
-    """`[N, 3]` uint64 rows (src byte offset, dst byte offset, length) covering the pages in
-    every plane, offsets from each pool's base; plane-major, runs in order within a plane."""
+    """`[N, 3]` uint64 rows (src byte offset, dst byte offset, length), one per run of pages
+    consecutive on both sides, in order; offsets from each pool's base."""
     check_pages(src, dst, src_layout.num_pages, dst_layout.num_pages)
     runs = np.array(page_runs(src, dst), dtype=np.uint64).reshape(-1, 3)
-    unit = np.uint64(src_layout.plane_page_bytes)
-    planes = np.arange(2 * src_layout.slots_per_page, dtype=np.uint64)[:, None]
-    src_off = planes * np.uint64(src_layout.num_pages) * unit + runs[None, :, 0] * unit
-    dst_off = planes * np.uint64(dst_layout.num_pages) * unit + runs[None, :, 1] * unit
-    length = np.broadcast_to(runs[None, :, 2] * unit, src_off.shape)
-    return np.stack([src_off, dst_off, length], axis=-1).reshape(-1, 3)
+    return runs * np.uint64(src_layout.page_bytes)
 
 
 def encode_descriptor(backend: str, name: str, layout: PageLayout, **extra: Any) -> bytes:

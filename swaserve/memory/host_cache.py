@@ -144,8 +144,7 @@ def _remove(path: Path) -> None:
 
 def device_page_shape(kv: KVPool) -> tuple[int, ...]:
     """One page of the device pool, as bytes: [slot, k|v, offset, head, byte]."""
-    b = _bytes(kv.kv)
-    return (b.shape[0], b.shape[1], *b.shape[3:])
+    return tuple(_bytes(kv.pages).shape[1:])
 
 
 def build_tiers(
@@ -229,7 +228,7 @@ class PageMover:
     def __init__(self, kv: KVPool, tiers: list[OffloadPool]) -> None:
         self.kv = kv
         self.tiers = tiers
-        self.dev = _bytes(kv.kv)  # [slot, k|v, page, offset, head, byte]
+        self.dev = _bytes(kv.pages)  # [page, slot, k|v, offset, head, byte]: a page a row
         # Tensor parallelism: called with every device copy's pages, so the other ranks make
         # the same copy in their pools (swaserve/distributed/tp_runner.py); None: one process.
         self.mirror: Callable[[list[int], list[int]], None] | None = None
@@ -421,7 +420,7 @@ class PageMover:
         if src_pages:
             if self.mirror is not None:
                 self.mirror(src_pages, dst_pages)
-            self.dev[:, :, self._index(dst_pages)] = self.dev[:, :, self._index(src_pages)]
+            self.dev[self._index(dst_pages)] = self.dev[self._index(src_pages)]
 
     def _index(self, pages: list[int]) -> torch.Tensor:
         """Page ids as an index on the device, copied asynchronously: a plain torch.tensor(...,
@@ -446,7 +445,7 @@ class PageMover:
             b.data[torch.tensor(dst_pages)] = a.data[torch.tensor(src_pages)]
 
     def _store(self, dev_pages: list[int], pool: OffloadPool, pages: list[int]) -> None:
-        block = self.dev[:, :, self._index(dev_pages)].movedim(2, 0).contiguous()  # [n, slot, ..]
+        block = self.dev[self._index(dev_pages)]  # [n, slot, ...], contiguous
         if self.cuda and pool.pinned:
             for i, p in enumerate(pages):
                 pool.data[p].copy_(block[i], non_blocking=True)
@@ -464,4 +463,4 @@ class PageMover:
             block = pool.data[torch.tensor(pages)]
             if self.cuda:
                 block = block.pin_memory().to(self.dev.device, non_blocking=True)
-        self.dev[:, :, self._index(dev_pages)] = block.movedim(0, 2)
+        self.dev[self._index(dev_pages)] = block

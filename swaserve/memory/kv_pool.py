@@ -1,8 +1,14 @@
 """KV storage: the tensors behind the page ids that the MemoryManager hands out.
 
-Layout `[slots_per_page, 2 (k, v), num_pages, page_size, kv_heads, head_dim]`: page id p of
-group g holds, for each layer of g, that layer's K and V of `page_size` tokens at
-`kv[layer_to_slot[layer], :, p]`. Storage only: indices and refcounts live in memory/manager.py.
+Page-major storage `pages[num_pages, slots_per_page, 2 (k, v), page_size, kv_heads, head_dim]`:
+page id p of group g holds, for each layer of g, that layer's K and V of `page_size` tokens,
+and all of it is one contiguous block `pages[p]`. A KV transfer or an offload of a page is one
+segment (a write of scattered pages through NIXL cost ~8 us per segment on the H200, and the
+plane-major layout it replaces made 2 x slots_per_page segments of every page). `kv` is the
+same memory seen as `[slot, k|v, page, offset, head, dim]`: `kv[layer_to_slot[layer], 0]` is a
+layer's K cache `[num_pages, page_size, kv_heads, head_dim]`, a strided view whose page stride
+spans the whole page (the kernels take strides, and index pages in int64). Storage only:
+indices and refcounts live in memory/manager.py.
 
 FP8 (`float8_e4m3fn`): each layer has a K and a V scale; the pool stores `round(x / scale)`
 saturated at +-448, and readers multiply back (the Triton kernels fold the scales in).
@@ -51,11 +57,15 @@ class KVPool:
         self.page_size = page_size
         self.dtype = dtype
         self.is_fp8 = dtype == torch.float8_e4m3fn
-        shape = (layout.slots_per_page, 2, num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_pages, layout.slots_per_page, 2, page_size, num_kv_heads, head_dim)
         if torch.device(device).type == "cpu":
-            self.kv = lazy_zeros(shape, dtype)
+            self.pages = lazy_zeros(shape, dtype)
         else:
-            self.kv = torch.zeros(shape, dtype=dtype, device=device)
+            self.pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = self.pages.permute(1, 2, 0, 3, 4, 5)  # [slot, k|v, page, offset, head, dim]
+        # pages viewed as rows of [kv_heads, head_dim]: (page, slot, k|v, offset) -> one row
+        self._rows = self.pages.view(-1, num_kv_heads, head_dim)
+        self._page_rows = layout.slots_per_page * 2 * page_size
         n = len(layout.layer_to_slot)
         self.k_scales = [1.0] * n  # per layer; 1.0 and unused unless fp8
         self.v_scales = [1.0] * n
@@ -76,22 +86,29 @@ class KVPool:
             return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
         return x.to(self.dtype)
 
+    def _k_rows(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of `_rows` holding the K of flat slots `page * page_size + offset` of a layer;
+        its V rows are these + page_size."""
+        ps = self.page_size
+        first = self.layout.layer_to_slot[layer_id] * 2 * ps
+        return slots + (slots // ps) * (self._page_rows - ps) + first
+
     def store(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Scatter new K/V `[T, kv_heads, head_dim]` to flat slots `page * page_size + offset`."""
-        k_cache, v_cache = self.layer_cache(layer_id)
         ks, vs = self.layer_scales(layer_id)
-        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = self._encode(k, ks)
-        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = self._encode(v, vs)
+        rows = self._k_rows(layer_id, slot_mapping)
+        self._rows[rows] = self._encode(k, ks)
+        self._rows[rows + self.page_size] = self._encode(v, vs)
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[len(slots), kv_heads, head_dim]` at flat slots, dequantised to float32."""
-        k_cache, v_cache = self.layer_cache(layer_id)
+        rows = self._k_rows(layer_id, slots)
         # index_select, not advanced indexing: it copies whole [kv_heads, head_dim] rows
         # (~7x faster on CPU for decode batches' thousands of slots)
-        k = torch.index_select(k_cache.reshape(-1, *k_cache.shape[2:]), 0, slots).float()
-        v = torch.index_select(v_cache.reshape(-1, *v_cache.shape[2:]), 0, slots).float()
+        k = torch.index_select(self._rows, 0, rows).float()
+        v = torch.index_select(self._rows, 0, rows + self.page_size).float()
         if self.is_fp8:
             ks, vs = self.layer_scales(layer_id)
             k, v = k * ks, v * vs
@@ -101,6 +118,6 @@ class KVPool:
         """Copy whole pages (every layer slot, K and V): copy-on-write of a shared page."""
         if src:
             # Host lists -> device without a stream sync (torch.tensor(..., device=cuda) waits).
-            s = torch.tensor(src).to(self.kv.device, non_blocking=True)
-            d = torch.tensor(dst).to(self.kv.device, non_blocking=True)
-            self.kv[:, :, d] = self.kv[:, :, s]
+            s = torch.tensor(src).to(self.pages.device, non_blocking=True)
+            d = torch.tensor(dst).to(self.pages.device, non_blocking=True)
+            self.pages[d] = self.pages[s]

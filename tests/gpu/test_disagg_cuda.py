@@ -95,15 +95,15 @@ def _receiver(conn, device: str) -> None:
             dst = _dst_pool(_pages(shape)[0], dtype, device)
             backend = create_transfer_backend("nixl", f"dst-{i}-{uuid.uuid4().hex[:6]}")
             try:
-                descriptor = backend.register(dst.kv, LAYOUT)
-                conn.send(("pool", backend.name, descriptor, dst.kv.to("cpu", copy=True)))
+                descriptor = backend.register(dst.pages, LAYOUT)
+                conn.send(("pool", backend.name, descriptor, dst.pages.to("cpu", copy=True)))
                 deadline, got = time.monotonic() + 30, []
                 while not got and time.monotonic() < deadline:
                     got = backend.notifications()
                     time.sleep(0.001)
                 if device == "cuda":
                     torch.cuda.synchronize()
-                conn.send(("landed", got, dst.kv.to("cpu", copy=True)))
+                conn.send(("landed", got, dst.pages.to("cpu", copy=True)))
                 conn.recv()  # registered until the sender has checked
             finally:
                 backend.close()
@@ -133,7 +133,7 @@ def test_nixl_moves_pool_pages_between_processes(device):
             src = pool(**kw, seed=0, dtype=dtype, device=device)
             sender = create_transfer_backend("nixl", f"src-{i}-{uuid.uuid4().hex[:6]}")
             try:
-                sender.register(src.kv, LAYOUT)
+                sender.register(src.pages, LAYOUT)
                 name, descriptor, before = _expect(here, "pool")
                 sender.connect(name, descriptor)
                 h = sender.write_pages(name, src_pages, dst_pages, f"case-{i}".encode())
@@ -142,7 +142,7 @@ def test_nixl_moves_pool_pages_between_processes(device):
                 sender.release(h)
                 notes, after = _expect(here, "landed")
                 assert notes == [(sender.name, f"case-{i}".encode())], (dtype, shape)
-                want = expected_after(before, src.kv.cpu(), src_pages, dst_pages)
+                want = expected_after(before, src.pages.cpu(), src_pages, dst_pages)
                 assert same_bytes(after, want), (dtype, shape)  # the rest untouched
                 assert not same_bytes(after, before)
                 here.send("next")

@@ -101,8 +101,8 @@ class Pair:
         tag = uuid.uuid4().hex[:6]
         self.pb = LocalBackend(f"p-{tag}", fabric)
         self.db = LocalBackend(f"d-{tag}", fabric)
-        self.pb.register(self.p.kv.kv, self.p.layout)
-        desc = self.db.register(self.d.kv.kv, self.d.layout)
+        self.pb.register(self.p.kv.pages, self.p.layout)
+        desc = self.db.register(self.d.kv.pages, self.d.layout)
         self.ps = PrefillSide(self.p, self.pb, Bootstrap(), timeout)
         self.p.disagg = self.ps
         self.ds = DecodeSide(self.d, self.db, Bootstrap(), desc, timeout)
@@ -250,7 +250,7 @@ def test_failures_free_both_pools(folder):
     pair.run(lambda: pair.rejects)
     assert "transfer to the decode instance failed" in pair.rejects[0][1]
     assert pair.prefill_rejects and pair.ps.stats.failures == pair.ds.stats.failures == 1
-    pair.db._bytes = pair.d.kv.kv.view(-1).view(torch.uint8)
+    pair.db._bytes = pair.d.kv.pages.view(-1).view(torch.uint8)
     pair.idle()
     # The prefill side never gets its half: the decode side times out, the prefill side drops
     # the reservation it was told of.

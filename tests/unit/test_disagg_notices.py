@@ -67,12 +67,12 @@ def _receiver(conn, name: str, kind: str, expect: int) -> None:
     torch.set_num_threads(1)
     decode = pool(24, 1)
     backend = create_transfer_backend(kind, name)
-    conn.send((backend.register(decode.kv, LAYOUT), decode.kv.clone()))
+    conn.send((backend.register(decode.pages, LAYOUT), decode.pages.clone()))
     deadline, got, after = time.monotonic() + 30, [], None
     while len(got) < expect and time.monotonic() < deadline and not conn.poll(0):
         got.extend(backend.notifications())
         if got and after is None:
-            after = decode.kv.clone()
+            after = decode.pages.clone()
         time.sleep(0.002)
     conn.send((got, after))
     conn.recv()
@@ -91,7 +91,7 @@ def _send_two_notices(kind: str) -> None:
     prefill = pool(16, 0)
     sender = create_transfer_backend(kind, f"prefill-{tag}")
     try:
-        sender.register(prefill.kv, LAYOUT)
+        sender.register(prefill.pages, LAYOUT)
         assert here.poll(60), "the receiving process did not start"
         descriptor, before = here.recv()
         sender.connect(name, descriptor)
@@ -105,7 +105,7 @@ def _send_two_notices(kind: str) -> None:
         got, after = here.recv()
         assert [(s, len(m)) for s, m in got] == [(sender.name, len(n)) for n in notices]
         assert [m for _, m in got] == notices
-        assert same_bytes(after, expected_after(before, prefill.kv))
+        assert same_bytes(after, expected_after(before, prefill.pages))
         here.send("exit")
         proc.join(10)
     finally:

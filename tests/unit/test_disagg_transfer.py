@@ -35,18 +35,17 @@ from tests.transfer_helpers import (
 
 def test_runs_and_segments():
     assert page_runs(SRC, DST) == [(3, 7, 3), (9, 2, 1), (1, 20, 1), (12, 15, 1), (13, 3, 1)]
-    a = PageLayout.of(pool(16, 0).kv, LAYOUT)
-    b = PageLayout.of(pool(24, 1).kv, LAYOUT)
+    a = PageLayout.of(pool(16, 0).pages, LAYOUT)
+    b = PageLayout.of(pool(24, 1).pages, LAYOUT)
     segs = segments(a, b, SRC, DST)
-    unit = 4 * 2 * 8 * 2  # tokens x heads x dim x bf16 bytes
-    assert a.plane_page_bytes == unit and a.page_bytes == 2 * 2 * unit
-    assert segs.shape == (4 * 5, 3)  # 2 slots x (k, v) planes x 5 runs
-    plane3 = segs[3 * 5]  # slot 1, v: plane 3, first run
-    assert plane3.tolist() == [(3 * 16 + 3) * unit, (3 * 24 + 7) * unit, 3 * unit]
+    page = 2 * 2 * 4 * 2 * 8 * 2  # slots x (k, v) x tokens x heads x dim x bf16 bytes
+    assert a.page_bytes == page
+    # page-major pools: one segment per run, whatever the slots per page
+    assert segs.tolist() == [[s * page, d * page, n * page] for s, d, n in page_runs(SRC, DST)]
 
 
 def test_bad_page_lists():
-    a = PageLayout.of(pool(16, 0).kv)
+    a = PageLayout.of(pool(16, 0).pages)
     for src, dst, match in (
         ([1, 2], [3], "destination pages"),
         ([0], [3], "NULL"),
@@ -63,15 +62,15 @@ def test_bad_page_lists():
 def test_local_backend_moves_scattered_pages():
     fabric = LocalFabric()
     prefill, decode = pool(16, 0), pool(24, 1)  # pools of different sizes may pair
-    before = decode.kv.clone()
+    before = decode.pages.clone()
     a = create_transfer_backend("local", "prefill", fabric=fabric)
     b = create_transfer_backend("local", "decode", fabric=fabric)
-    a.register(prefill.kv, LAYOUT)
-    a.connect("decode", b.register(decode.kv, LAYOUT))
+    a.register(prefill.pages, LAYOUT)
+    a.connect("decode", b.register(decode.pages, LAYOUT))
     h = a.write_pages("decode", SRC, DST, b"req-1")
     assert a.poll(h) == "done" and a.error(h) is None
     assert b.notifications() == [("prefill", b"req-1")] and b.notifications() == []
-    assert same_bytes(decode.kv, expected_after(before, prefill.kv))
+    assert same_bytes(decode.pages, expected_after(before, prefill.pages))
     a.release(h)
     with pytest.raises(KeyError):
         a.poll(h)
@@ -85,12 +84,12 @@ def test_local_backend_moves_scattered_pages():
 def test_local_backend_fp8_bytes():
     fabric = LocalFabric()
     src, dst = pool(16, 0, dtype=torch.float8_e4m3fn), pool(24, 1, dtype=torch.float8_e4m3fn)
-    before = dst.kv.clone()
+    before = dst.pages.clone()
     a, b = LocalBackend("a", fabric), LocalBackend("b", fabric)
-    a.register(src.kv)
-    a.connect("b", b.register(dst.kv))
+    a.register(src.pages)
+    a.connect("b", b.register(dst.pages))
     assert a.poll(a.write_pages("b", SRC, DST, b"")) == "done"
-    assert same_bytes(dst.kv, expected_after(before, src.kv))
+    assert same_bytes(dst.pages, expected_after(before, src.pages))
 
 
 # ---- (c) layouts must match ---------------------------------------------------------------
@@ -108,8 +107,8 @@ def test_layout_mismatch_is_refused(other, field):
     fabric = LocalFabric()
     a, b = LocalBackend("a", fabric), LocalBackend("b", fabric)
     layout = other.pop("layout", LAYOUT)
-    a.register(pool(16, 0).kv, LAYOUT)
-    desc = b.register(pool(16, 1, layout=layout, **other).kv, layout)
+    a.register(pool(16, 0).pages, LAYOUT)
+    desc = b.register(pool(16, 1, layout=layout, **other).pages, layout)
     with pytest.raises(LayoutMismatchError, match=f"refusing to connect: {field}"):
         a.connect("b", desc)
     with pytest.raises(ValueError, match="descriptor is from 'b'"):
@@ -134,12 +133,12 @@ def _decode_peer(conn, name: str) -> None:
     torch.set_num_threads(1)
     decode = pool(24, 1)
     backend = create_transfer_backend("nixl", name)
-    conn.send((backend.register(decode.kv, LAYOUT), decode.kv.clone()))
+    conn.send((backend.register(decode.pages, LAYOUT), decode.pages.clone()))
     deadline, got = time.monotonic() + 20, []
     while not got and time.monotonic() < deadline and not conn.poll(0.005):  # poll: "exit"
         got = backend.notifications()
     if got:
-        conn.send((got, decode.kv.clone()))
+        conn.send((got, decode.pages.clone()))
         conn.recv()  # stay alive (registered) until told, or until killed
     backend.close()
 
@@ -171,7 +170,7 @@ def nixl_prefill():
 def test_nixl_two_processes(peer, nixl_prefill):
     name, conn, _ = peer
     prefill = pool(16, 0)
-    nixl_prefill.register(prefill.kv, LAYOUT)
+    nixl_prefill.register(prefill.pages, LAYOUT)
     assert conn.poll(60), "the decode process did not start"
     descriptor, before = conn.recv()
     nixl_prefill.connect(name, descriptor)
@@ -181,15 +180,15 @@ def test_nixl_two_processes(peer, nixl_prefill):
     assert conn.poll(20)
     notes, after = conn.recv()
     assert notes == [(nixl_prefill.name, b"req-1")]
-    assert same_bytes(after, expected_after(before, prefill.kv))  # others untouched
+    assert same_bytes(after, expected_after(before, prefill.pages))  # others untouched
 
 
 @nixl_only
 def test_nixl_layout_mismatch(nixl_prefill):
     other = create_transfer_backend("nixl", f"decode-{uuid.uuid4().hex[:8]}")
     try:
-        nixl_prefill.register(pool(16, 0, page_size=8).kv, LAYOUT)
-        descriptor = other.register(pool(16, 1).kv, LAYOUT)
+        nixl_prefill.register(pool(16, 0, page_size=8).pages, LAYOUT)
+        descriptor = other.register(pool(16, 1).pages, LAYOUT)
         with pytest.raises(LayoutMismatchError, match="page_size: local 8, peer 4"):
             nixl_prefill.connect(other.name, descriptor)
     finally:
@@ -206,16 +205,16 @@ def test_nixl_shared_memory_only(monkeypatch):
     try:
         assert a.ucx_error_handling_mode == "none"
         src, dst = pool(16, 0), pool(24, 1)
-        before = dst.kv.clone()
-        a.register(src.kv, LAYOUT)
-        a.connect(b.name, b.register(dst.kv, LAYOUT))
+        before = dst.pages.clone()
+        a.register(src.pages, LAYOUT)
+        a.connect(b.name, b.register(dst.pages, LAYOUT))
         h = a.write_pages(b.name, SRC, DST, b"sm")
         assert wait(a, h)[0] == "done", a.error(h)
         deadline, notes = time.monotonic() + 5, []
         while not notes and time.monotonic() < deadline:
             notes = b.notifications()
         assert notes == [(a.name, b"sm")]
-        assert same_bytes(dst.kv, expected_after(before, src.kv))
+        assert same_bytes(dst.pages, expected_after(before, src.pages))
     finally:
         a.close()
         b.close()
@@ -225,7 +224,7 @@ def test_nixl_shared_memory_only(monkeypatch):
 def test_nixl_dead_peer_fails_fast(peer, nixl_prefill):
     name, conn, proc = peer
     prefill = pool(16, 0)
-    nixl_prefill.register(prefill.kv, LAYOUT)
+    nixl_prefill.register(prefill.pages, LAYOUT)
     assert conn.poll(60)
     nixl_prefill.connect(name, conn.recv()[0])
     assert wait(nixl_prefill, nixl_prefill.write_pages(name, [1], [1], b"warm"))[0] == "done"
@@ -246,12 +245,12 @@ def _local_peer(conn, name: str) -> None:
     torch.set_num_threads(1)
     decode = pool(24, 1)
     backend = create_transfer_backend("local", name)
-    conn.send((backend.register(decode.kv, LAYOUT), decode.kv.clone()))
+    conn.send((backend.register(decode.pages, LAYOUT), decode.pages.clone()))
     deadline, got = time.monotonic() + 20, []
     while not got and time.monotonic() < deadline:
         got = backend.notifications()
         time.sleep(0.002)
-    conn.send((got, decode.kv.clone()))
+    conn.send((got, decode.pages.clone()))
     conn.recv()  # stay alive until told, or until killed
     backend.close()
 
@@ -265,7 +264,7 @@ def test_local_backend_between_processes():
     prefill = pool(16, 0)
     a = create_transfer_backend("local", f"prefill-{uuid.uuid4().hex[:8]}")
     try:
-        a.register(prefill.kv, LAYOUT)
+        a.register(prefill.pages, LAYOUT)
         assert here.poll(60), "the decode process did not start"
         descriptor, before = here.recv()
         a.connect(name, descriptor)
@@ -274,7 +273,7 @@ def test_local_backend_between_processes():
         assert here.poll(20)
         notes, after = here.recv()
         assert notes == [(a.name, b"req-1")]
-        assert same_bytes(after, expected_after(before, prefill.kv))
+        assert same_bytes(after, expected_after(before, prefill.pages))
         proc.kill()
         proc.join(10)
         for src, dst in ((SRC, DST), ([], [])):  # pages, or the notice alone
