@@ -31,7 +31,6 @@ from swaserve.attention.kernels.paged_attention import (  # noqa: E402
     MAX_SPLITS,
     attention_config,
     choose_num_splits,
-    copy_pages,
     paged_attention,
     store_kv,
 )
@@ -433,17 +432,6 @@ def test_triton_fp8_rounding_exhaustive():
     got = kc.cpu().reshape(-1).view(torch.uint8)
     exp = x.to(FP8).view(torch.uint8)
     assert torch.equal(got, exp), x[got != exp][:8]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, FP8])
-def test_triton_copy_pages(dtype):
-    pool = torch.randn(3, 2, 8, 4, 2, 16).to(DEVICE).to(dtype)
-    before = pool.clone()
-    copy_pages(pool, [1, 6], [5, 2])
-    want = before.clone()
-    want[:, :, [5, 2]] = before[:, :, [1, 6]]
-    assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
-    copy_pages(pool, torch.tensor([], dtype=torch.int64), [])  # no-op
 
 
 # ---- backend -----------------------------------------------------------------------------------

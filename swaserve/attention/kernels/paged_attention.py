@@ -1,4 +1,4 @@
-"""Triton kernels over the paged KV pool: ragged paged attention, the K/V store, page copies.
+"""Triton kernels over the paged KV pool: ragged paged attention and the K/V store.
 
 One attention kernel covers prefill chunks over a cached prefix, decode and both mixed in one
 launch (docs/architecture.md §7). Request i owns the query rows
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -1109,52 +1108,4 @@ def store_kv(
         PAGE_SIZE=k_cache.shape[1],
         FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
-    )
-
-
-# ---- page copies ------------------------------------------------------------------------------
-
-
-@triton.jit
-def _copy_pages_kernel(
-    data_ptr, src_ptr, dst_ptr, stride_plane, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr
-):
-    pair = tl.program_id(0)
-    plane = tl.program_id(1).to(tl.int64)
-    src = tl.load(src_ptr + pair).to(tl.int64)
-    dst = tl.load(dst_ptr + pair).to(tl.int64)
-    base = data_ptr + plane * stride_plane
-    for start in range(0, PAGE_ELEMS, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        mask = i < PAGE_ELEMS
-        x = tl.load(base + src * PAGE_ELEMS + i, mask=mask)
-        tl.store(base + dst * PAGE_ELEMS + i, x, mask=mask)
-
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def copy_pages(
-    kv: torch.Tensor, src: torch.Tensor | list[int], dst: torch.Tensor | list[int]
-) -> None:
-    """Copy whole pages `src[i] -> dst[i]` in a contiguous pool `[..., num_pages, page_size,
-    Hkv, D]` (every leading layer-slot and K/V plane). Bytes are copied as integers, so any
-    dtype (fp8 included) copies exactly. Pairs must not chain (no dst is another pair's src)."""
-    if not isinstance(src, torch.Tensor):
-        src = torch.tensor(src, dtype=torch.int64)
-    if not isinstance(dst, torch.Tensor):
-        dst = torch.tensor(dst, dtype=torch.int64)
-    n = src.numel()
-    if n == 0:
-        return
-    assert kv.is_contiguous() and dst.numel() == n
-    src = src.to(kv.device)
-    dst = dst.to(kv.device)
-    num_pages = kv.shape[-4]
-    page_elems = math.prod(kv.shape[-3:])
-    planes = math.prod(kv.shape[:-4])
-    data = kv.view(_SAME_SIZE_INT[kv.element_size()]).view(planes, num_pages * page_elems)
-    block = min(4096, triton.next_power_of_2(page_elems))
-    _copy_pages_kernel[(n, planes)](
-        data, src, dst, data.stride(0), PAGE_ELEMS=page_elems, BLOCK=block, num_warps=4
     )
