@@ -64,7 +64,8 @@ def run_ranks(body) -> dict:
         except BaseException as e:  # noqa: BLE001 - handed to the test's thread
             out[i, j] = e
 
-    threads = [threading.Thread(target=rank, args=(i, j)) for i in range(D) for j in range(T)]
+    threads = [threading.Thread(target=rank, args=(i, j), daemon=True)
+               for i in range(D) for j in range(T)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
