@@ -38,6 +38,7 @@ from tests.unit.test_expert_parallel import (
     _params,
     _watch_decode_path,
     check_one_rank_idle,
+    check_prefix_hit_on_rank_1,
     deadline,
     drive,
 )
@@ -99,16 +100,7 @@ def test_greedy_tokens_and_logprobs_equal_one_process(pair):
 
 def test_prefix_hit_on_one_rank(pair):
     _, one, four = pair
-    base = random_prompts(VOCAB, [30], seed=5)[0]
-    first = [("p0", base + [1, 2, 3], _params(6), 1)]
-    second = [("p1", base[:27] + [7, 8, 9, 10, 11], _params(6), 1),
-              ("p2", base[:29] + [12] * 9, _params(6), 1)]  # fmt: skip
-    a = {**drive(one.core, first), **drive(one.core, second)}
-    b = {**drive(four.core, first), **drive(four.core, second)}
-    _assert_close(a, b, ["p0", "p1", "p2"])
-    assert [b[r][2] for r in ("p1", "p2")] == [a[r][2] for r in ("p1", "p2")]
-    assert all(b[r][2] >= 24 for r in ("p1", "p2"))  # hits on rank 1's own prefix cache
-    four.core.check_integrity()
+    check_prefix_hit_on_rank_1(one, four, random_prompts(VOCAB, [30], seed=5)[0])
 
 
 def test_one_rank_idle_for_many_steps(pair):

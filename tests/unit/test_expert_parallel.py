@@ -183,19 +183,24 @@ def test_prompt_logits_equal_one_process(pair):
     two.core.check_integrity()
 
 
-@pytest.mark.parametrize("pair", ["qwen3_moe"], indirect=True)
-def test_prefix_hit_on_one_rank(pair):
-    _, one, two = pair
-    base = _prompts([30], seed=5)[0]
+def check_prefix_hit_on_rank_1(one: Engine, many: Engine, base: list[int]) -> None:
+    """A 30-token prompt `base` on rank 1 of `many`, then two sharing 27 and 29 of its tokens:
+    one process's tokens, logprobs and cached-token counts (hits on rank 1's own cache)."""
     first = [("p0", base + [1, 2, 3], _params(6), 1)]
     second = [("p1", base[:27] + [7, 8, 9, 10, 11], _params(6), 1),
               ("p2", base[:29] + [12] * 9, _params(6), 1)]  # fmt: skip
     a = {**drive(one.core, first), **drive(one.core, second)}
-    b = {**drive(two.core, first), **drive(two.core, second)}
+    b = {**drive(many.core, first), **drive(many.core, second)}
     _assert_close(a, b, ["p0", "p1", "p2"])
     assert [b[r][2] for r in ("p1", "p2")] == [a[r][2] for r in ("p1", "p2")]
     assert all(b[r][2] >= 24 for r in ("p1", "p2"))  # hits on rank 1's own prefix cache
-    two.core.check_integrity()
+    many.core.check_integrity()
+
+
+@pytest.mark.parametrize("pair", ["qwen3_moe"], indirect=True)
+def test_prefix_hit_on_one_rank(pair):
+    _, one, two = pair
+    check_prefix_hit_on_rank_1(one, two, _prompts([30], seed=5)[0])
 
 
 # ---- idle ranks -------------------------------------------------------------------------------
