@@ -200,9 +200,9 @@ class EngineConfig:
 
     def _check_data_parallel(self, bad) -> None:
         """--data-parallel-size D: D full replicas, each a tensor-parallel group of T ranks
-        (replica i on cuda:i*T .. cuda:i*T+T-1), or with --enable-expert-parallel D ranks
-        sharing the MoE experts. Whether the model has experts, and whether D divides them,
-        is checked once it is known (distributed/expert_shards.check_expert_parallel)."""
+        (replica i on cuda:i*T .. cuda:i*T+T-1), or with --enable-expert-parallel D ranks of T
+        sharing the MoE experts. Whether the model has experts, and whether D x T divides
+        them, is checked once it is known (distributed/expert_shards.check_expert_parallel)."""
         dp = self.data_parallel_size
         if self.enable_expert_parallel:
             self._check_expert_parallel(bad)
@@ -218,17 +218,22 @@ class EngineConfig:
         if dp < 2:
             raise bad("enable_expert_parallel", "needs --data-parallel-size >= 2 (the ranks the "
                       "experts are spread over)")
-        # Attention TP inside each data-parallel rank with the experts over all D x T ranks
-        # (vLLM's meaning of -dp -tp --enable-expert-parallel) is not built: refused.
-        if self.tensor_parallel_size > 1:
-            raise bad("tensor_parallel_size", "with --enable-expert-parallel is not supported "
-                      "yet (attention split inside each data-parallel rank, experts over all "
-                      "ranks); give --data-parallel-size alone")
+        # -tp T: attention tensor-parallel inside each data-parallel rank, the experts over all
+        # D x T processes (distributed/ep_tp.py); whether D x T divides the experts is checked
+        # with the model. Its ranks over several nodes are not built (the T processes of a
+        # rank on one node, the EP groups of its workers across them): refused.
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.nnodes > 1:
+            raise bad("nnodes", f"with --enable-expert-parallel and --tensor-parallel-size {tp} "
+                      "is not supported yet (its processes on one machine; over machines give "
+                      "--tensor-parallel-size 1)")
         # N-gram speculation runs per rank (each drafts for its own requests; verify forwards
-        # join the MoE exchange like any forward). DFlash stays refused until a test holds it
-        # here: its drafter is dense and per rank (no collective), but its context K/V come
-        # from the target's kept hidden states, and no test covers that over an expert-parallel
-        # target yet (a tiny DFlash drafter for gpt-oss / Qwen3-MoE would be the test).
+        # join the MoE exchange like any forward); with -tp it is refused in _check_parallel,
+        # as with plain -tp (speculation under tensor parallelism is not built yet). DFlash
+        # stays refused until a test holds it here: its drafter is dense and per rank (no
+        # collective), but its context K/V come from the target's kept hidden states, and no
+        # test covers that over an expert-parallel target yet (a tiny DFlash drafter for
+        # gpt-oss / Qwen3-MoE would be the test).
         if self.speculative_algorithm == "dflash":
             raise bad("speculative_algorithm", "is not supported with --enable-expert-parallel "
                       "yet (ngram is)")
@@ -496,7 +501,8 @@ FLAGS: dict[str, FlagInfo] = {
     ),
     "enable_expert_parallel": FlagInfo(
         "distributed", "MoE models: spread every layer's experts over the --data-parallel-size "
-        "ranks (attention stays data-parallel, tokens reach the experts by collectives)"
+        "x --tensor-parallel-size processes (attention stays data-parallel, split over -tp "
+        "inside each rank; tokens reach the experts by collectives)"
     ),
     "moe_decode_max_tokens_per_rank": FlagInfo(
         "distributed",

@@ -103,6 +103,21 @@ def tiny_gemma3_config(**overrides):
     return transformers.Gemma3TextConfig(num_hidden_layers=len(args["layer_types"]), **args)
 
 
+def tiny_moe_config(**overrides):
+    """A tiny Qwen3-MoE config for expert-parallel tests: 3 layers (the middle one dense), 8
+    experts of 32 (top 2), 4 heads of 16, 2 KV heads, 128 tokens; `overrides` change it."""
+    import transformers
+
+    args = dict(
+        hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256,
+        vocab_size=128, num_key_value_heads=2, intermediate_size=96, num_hidden_layers=3,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[1],
+    )  # fmt: skip
+    args.update(overrides)
+    return transformers.Qwen3MoeConfig(**args)
+
+
 def check_integrity_every_step(engine):
     """Wrap `engine.core.step` so the pool's invariants are checked after every step;
     returns the engine."""

@@ -17,6 +17,7 @@ Data-parallel attention + expert-parallel MoE (`--data-parallel-size D --enable-
     ep_wire.py          offline: rank 0's messages to the other ranks and their answers
     ep_worker.py        offline: ranks 1..D-1, each a whole EngineCore stepping on rank 0's word
     ep_engine.py        offline: the Engine's core over the D ranks (rank 0 in-process)
+    ep_tp.py            -tp T inside each rank: the experts over D x T, the workers' groups
     (the server's lockstep core loop is swaserve/server/core_loop_ep.py, its ranks on other
     nodes swaserve/server/ep_nodes.py)
 

@@ -1,21 +1,27 @@
 """The offline `Engine`'s core with `data_parallel_size=D, enable_expert_parallel=True`:
 `DPExpertCore` looks like one EngineCore to the Engine (add, abort, step, has_unfinished,
 memory_stats) and runs D of them, rank 0's in this process and ranks 1..D-1 in spawned
-processes (ep_worker.py), one step at a time over ep_wire.py.
+processes (ep_worker.py), one step at a time over ep_wire.py; with `tensor_parallel_size=T`
+each of them starts its own T - 1 tensor-parallel workers (ep_tp.py).
 
 Each request goes to one rank (`router_dp.choose_replica`: prefix affinity, then load; or the
 `dp_rank` a caller names) and stays there. `step()` hands the ranks their new requests and
 aborts with STEP, steps rank 0 here while the others step there (every rank's EngineCore.step
 makes the same agreement and MoE collectives), then gathers their outputs and states. Every
-exchange runs under `TensorParallel.guard`: a rank that died is a RankFailure naming it.
+exchange runs under `TensorParallel.guard`: a rank that died is a RankFailure naming it, and
+every later call raises that first failure again (the ranks that failed because of it die too,
+each with its own, later word).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from swaserve.config import EngineConfig
 from swaserve.distributed.ep_wire import CHECK, STATS, STEP, EPWire
+from swaserve.distributed.launch import RankFailure
 from swaserve.outputs import EngineCoreOutput
 from swaserve.sampling.params import SamplingParams
 
@@ -46,7 +52,8 @@ class DPExpertCore:
                 f"--nnodes {config.nnodes} with --enable-expert-parallel is for `swaserve "
                 "serve` (the offline Engine runs its ranks on one machine)"
             )
-        check_expert_parallel(load_hf_config(folder), size)  # before any process starts
+        # before any process starts
+        check_expert_parallel(load_hf_config(folder), size, config.tensor_parallel_size)
         self.config = config
         self.parallel, ep = start_offline(config, folder)
         try:
@@ -66,6 +73,20 @@ class DPExpertCore:
         self._adds: list[list] = []  # for ranks 1.. at the next step
         self._aborts: list[str] = []
         self._remote: list[list[bool]] = [[False] * 3 for _ in range(size)]  # per rank's answer
+        self.failure: RankFailure | None = None  # the first, raised again by every later call
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            with self.parallel.guard():
+                yield
+        except RankFailure as e:
+            # ranks may wait in any collective now: shutdown terminates them (no STOP)
+            self.failure = e
+            self.parallel.failed(e)
+            raise
 
     # ---- what the Engine uses -----------------------------------------------------------
 
@@ -104,7 +125,7 @@ class DPExpertCore:
 
         body = {"add": self._adds, "abort": self._aborts}
         self._adds, self._aborts = [], []
-        with self.parallel.guard():
+        with self._guard():
             self.wire.send(STEP, body)
             outputs = self.local.step()
             answers = self.wire.answer(None)
@@ -127,14 +148,14 @@ class DPExpertCore:
         from swaserve.server.core_process import core_stats
         from swaserve.server.dp_client import merge_stats
 
-        with self.parallel.guard():
+        with self._guard():
             self.wire.send(STATS)
             stats = self.wire.answer(core_stats(self.local))
         return merge_stats(stats)["memory"]
 
     def check_integrity(self) -> None:
         """Every rank's memory manager's check_integrity(); AssertionError naming the ranks."""
-        with self.parallel.guard():
+        with self._guard():
             self.wire.send(CHECK)
             try:
                 self.local.memory.check_integrity()
@@ -146,7 +167,10 @@ class DPExpertCore:
 
     def check_ranks(self) -> None:
         self.parallel.check()
+        self.local.check_ranks()  # rank 0's tensor-parallel workers (-tp)
 
     def shutdown(self) -> None:
-        """Stop ranks 1..D-1 (also done when the core is collected or the process exits)."""
+        """Stop ranks 1..D-1, then rank 0's tensor-parallel workers (also done when the core is
+        collected or the process exits)."""
         self.parallel.shutdown()
+        self.local.shutdown()

@@ -1,12 +1,14 @@
 """Offline expert parallelism: ranks 1..D-1, each its own process (spawned by ep_launch.py) with
-a whole EngineCore of its own (scheduler, KV pool, prefix cache, its experts), stepping when
-rank 0 says so (ep_wire.py) until STOP or until rank 0 is gone (the next wait fails).
+a whole EngineCore of its own (scheduler, KV pool, prefix cache, its experts; with -tp T its own
+T - 1 tensor-parallel workers, spawned by it), stepping when rank 0 says so (ep_wire.py) until
+STOP or until rank 0 is gone (the next wait fails).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import signal
 import sys
 from pathlib import Path
@@ -31,7 +33,8 @@ def spawn_workers(config: EngineConfig, folder: Path, host: str, port: int) -> d
 
 def worker_main(rank: int, spec_json: str) -> None:
     """Process entry of data-parallel rank `rank` (offline, expert parallelism)."""
-    from swaserve.distributed.ep_launch import join_expert_parallel, rank_device
+    from swaserve.distributed.ep_launch import ROLE, join_expert_parallel, rank_device
+    from swaserve.distributed.launch import RankFailure
     from swaserve.engine.core import EngineCore
     from swaserve.server.launch import replica_config
 
@@ -41,6 +44,10 @@ def worker_main(rank: int, spec_json: str) -> None:
         format=f"%(asctime)s %(levelname)s [dp{rank}] %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the ranks stop
+    # A daemon may not start processes (multiprocessing's guard against orphans); this rank's
+    # tensor-parallel workers, daemons of it, end with it or when it vanishes (their next wait
+    # fails), as rank 0's own do.
+    multiprocessing.current_process().daemon = False
     config = EngineConfig(**spec["config"])
     size = config.data_parallel_size
     device = rank_device(config, rank)
@@ -48,12 +55,17 @@ def worker_main(rank: int, spec_json: str) -> None:
         torch.cuda.set_device(device)
     else:  # rank 0's share of the cores
         torch.set_num_threads(spec["threads"])
-    ep = join_expert_parallel(size, rank, spec["host"], spec["port"], device)
+    ep = join_expert_parallel(size, rank, spec["host"], spec["port"], device,
+                              tp_size=config.tensor_parallel_size)  # fmt: skip
     try:
         core = EngineCore(replica_config(config, rank), Path(spec["folder"]), ep=ep)
         serve_steps(core, EPWire(ep.group), rank)
+        core.shutdown()  # its tensor-parallel workers (-tp), told to stop before this exits
     except RuntimeError as e:
-        if "Connection closed by peer" in str(e) or "rank 0" in str(e):  # rank 0 vanished
+        # rank 0 vanished: gloo's word for it, or the failure naming it (any other process's
+        # failure is this rank's too: raised, so that rank 0 sees it exit with an error)
+        closed = "Connection closed by peer" in str(e) and not isinstance(e, RankFailure)
+        if closed or str(e).startswith(f"{ROLE} rank 0 (pid "):
             log.info("rank 0 is gone; data-parallel rank %d exits", rank)
             sys.exit(0)
         raise

@@ -36,21 +36,28 @@ against the cap), and a rank without requests joins the verify step with an idle
 
 Every collective runs under `guard()`: a failure caused by a rank that died is re-raised as a
 `RankFailure` naming it (`explain`, given by the launcher), never a hang.
+
+With -tp T inside each data-parallel rank (`tp_size` > 1) every data-parallel rank is T
+processes; the experts are spread over all D x T, each process runs `moe_forward` on its copy of
+its rank's tokens through the exchange of its tensor-parallel index, and the combine ends with
+one all-reduce over the rank's tensor-parallel group: ep_tp.py says how and why. The engine
+core (tensor-parallel rank 0) makes the agreement and hands its result to its T - 1 workers
+(`announce`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swaserve.distributed.expert_shards import moe_layers
+from swaserve.distributed.expert_shards import expert_rank, moe_layers
 from swaserve.distributed.launch import RankFailure, naming_dead_ranks
-from swaserve.distributed.parallel_state import EPGroup
+from swaserve.distributed.parallel_state import EPGroup, TPGroup
 from swaserve.models.moe import SparseMoE
 
 Explain = Callable[[], "RankFailure | None"]
@@ -126,12 +133,29 @@ def local_experts(
 
 class ExpertParallel:
     """This rank's handle on the expert-parallel group: the step agreement, the MoE layers'
-    exchange, the idle forward. Set on every SparseMoE of the model as `ep`."""
+    exchange, the idle forward. Set on every SparseMoE of the model as `ep`. `group`: the D
+    data-parallel ranks' processes of this process's tensor-parallel index `tp_rank` (of
+    `tp_size`; 0 of 1 without -tp)."""
 
-    def __init__(self, group: EPGroup, explain: Explain, exchange: MoEExchange | None = None):
+    def __init__(
+        self,
+        group: EPGroup,
+        explain: Explain,
+        exchange: MoEExchange | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         self.group = group
         self.rank, self.size = group.rank, group.size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp: TPGroup | None = None  # this data-parallel rank's T processes (attach)
         self.explain = explain
+        # watches of the other processes of the expert-parallel world (PidWatch, offline rank
+        # 0's TensorParallel; set by the launchers): with -tp the engine core's TensorParallel
+        # asks them with its own workers
+        self.watches: list[Any] = []
+        # the engine core with -tp: hands each agreed step's sizes to its workers (tp_runner)
+        self.announce: Callable[[list[int], bool], None] | None = None
         self.exchange = exchange or GatherExchange(group)
         # the decode-only path (decode_workspace.py): set by enable_decode_workspace
         self.decode_exchange: MoEExchange | None = None
@@ -146,13 +170,25 @@ class ExpertParallel:
         self.any_work = False  # some rank had tokens in the last agreed step
         self.failure: RankFailure | None = None
         self.store = None  # the rendezvous store, kept alive as long as the group
+        # how to join this world: {"rank", "size", "host", "port", "node"} of this data-parallel
+        # rank and the store (its tensor-parallel workers join with it: ep_tp.py)
+        self.place: dict | None = None
         self._layers: list[SparseMoE] = []
 
-    def attach(self, model: nn.Module) -> None:
-        """Route the model's MoE layers (built with this rank's experts) through this group."""
+    @property
+    def experts_place(self) -> tuple[int, int]:
+        """(expert-parallel rank, size) of this process: which experts it holds
+        (expert_shards.py)."""
+        return expert_rank(self.rank, self.tp_rank, self.tp_size), self.size * self.tp_size
+
+    def attach(self, model: nn.Module, tp: TPGroup | None = None) -> None:
+        """Route the model's MoE layers (built with this process's experts) through this group;
+        `tp`: this data-parallel rank's tensor-parallel group (T > 1), whose ranks' shares the
+        combine sums."""
         self._layers = moe_layers(model)
         for m in self._layers:
             m.ep = self
+        self.tp = tp if tp is not None and tp.size > 1 else None
 
     def enable_decode_workspace(self, rows: int) -> int:
         """The fixed-shape path for decode-only steps of at most `rows` tokens per rank (after
@@ -189,11 +225,17 @@ class ExpertParallel:
         self.any_work = sum(self.sizes) > 0
         # the same rows on every rank: every rank takes the same path
         self.fixed = self.cap > 0 and bool(rows[:, 2].all()) and max(self.sizes) <= self.cap
+        if self.any_work and self.announce is not None:  # this rank's workers take the step
+            self.announce(self.sizes, self.fixed)
         if self.any_work:
             self.counts["moe_decode_steps" if self.fixed else "moe_prefill_steps"] += 1
             if self.cap and decode_only and num_tokens > self.cap:
                 self.counts["moe_decode_over_cap"] += 1
         return self.any_work
+
+    def begin_step(self, sizes: list[int], fixed: bool) -> None:
+        """A tensor-parallel worker: the step its engine core agreed on (ep_tp.py)."""
+        self.sizes, self.fixed = sizes, fixed
 
     def end_step(self) -> None:
         self.sizes = None
@@ -225,7 +267,12 @@ class ExpertParallel:
             xs, ws, es = exchange.dispatch(x, weights, ids, sizes)
         share = local_experts(moe, xs, ws, es, exchange.share)
         with self.guard():
-            return exchange.combine(share, sizes)
+            out = exchange.combine(share, sizes)
+            # -tp: each of the rank's T processes holds its tensor-parallel index's experts'
+            # sum; every rank of a group has the same token count, so all or none reduce
+            if self.tp is not None and out.shape[0]:
+                self.tp.all_reduce(out)
+            return out
 
     # ---- failures ------------------------------------------------------------------------
 

@@ -91,19 +91,21 @@ def spawn_ranks(
     ranks: range,
     target: Callable[[int, str], None] | None = None,
     kind: str = "tp",
+    expert_parallel: dict | None = None,
 ) -> dict[int, Any]:
     """Start `ranks` as daemon processes running `target(rank, spec)` (default: the tensor-
     parallel worker; spawn: a fresh interpreter, which imports the main script again, so a
     script that builds an Engine keeps its top level under `if __name__ == "__main__":`). Their
     start-up message is JSON, as every one in swaserve; on CPU each takes the intra-op thread
-    count this process has (`threads`: its share of the cores, set before)."""
+    count this process has (`threads`: its share of the cores, set before). `expert_parallel`:
+    the tensor-parallel workers' place in an expert-parallel world (ep_tp.py), or None."""
     if target is None:
         from swaserve.distributed.worker import worker_main as target
 
     spec = json.dumps({
         "config": dataclasses.asdict(config), "folder": str(folder), "host": host, "port": port,
         "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "expert_parallel": expert_parallel,
     })  # fmt: skip
     ctx = mp.get_context("spawn")
     procs = {}
@@ -114,6 +116,21 @@ def spawn_ranks(
         p.start()
         procs[rank] = p
     return procs
+
+
+def watch_for_failure(polls: list[Callable[[], RankFailure | None]]) -> RankFailure | None:
+    """After a failed collective: the first failure one of `polls` (each one look, no wait)
+    finds within DEATH_GRACE_S (a vanished peer fails gloo's wait before its process is
+    reaped), trying them in order each time; None if none does."""
+    deadline = time.monotonic() + DEATH_GRACE_S
+    while True:
+        for poll in polls:
+            failure = poll()
+            if failure is not None:
+                return failure
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -149,6 +166,11 @@ class TensorParallel:
         self.remote = remote  # ranks on other nodes (--nnodes): no process handle to watch
         self.store = store  # rank 0 hosts it: kept alive as long as the ranks are
         self.failure: str | None = None
+        # Under expert parallelism with -tp (ep_tp.py): watches (with `poll`) of the other
+        # processes of the expert-parallel world, asked with this group's own workers, so that a
+        # worker that failed because another data-parallel rank died does not hide that death.
+        self.peer_watches: list[Any] = []
+        self._down: RankFailure | None = None  # `failed`: the failure every check raises
         self._stopping = _Stopping(threads=threads)
         threading.Thread(
             target=_watchdog,
@@ -161,15 +183,22 @@ class TensorParallel:
 
     def check(self) -> None:
         """RankFailure if a rank died (now or before)."""
+        failure = self._down or self.poll()
+        if failure is not None:
+            raise failure
+
+    def poll(self, killed_only: bool = False) -> RankFailure | None:
+        """One look: the failure of a worker found dead (now or before), else None.
+        `killed_only`: only one killed by a signal (a cause, where a worker that exited may
+        have failed because of another's death)."""
         if self.failure is None:
             for rank, p in self.procs.items():
-                if not p.is_alive():
+                if not p.is_alive() and (not killed_only or (p.exitcode or 0) < 0):
                     self.failure = f"{self.role} rank {rank} (pid {p.pid}) " + _exit_reason(
                         p.exitcode
                     )
                     break
-        if self.failure is not None:
-            raise RankFailure(self.failure + CANNOT_CONTINUE)
+        return None if self.failure is None else RankFailure(self.failure + CANNOT_CONTINUE)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -179,29 +208,36 @@ class TensorParallel:
             yield
 
     def explain(self) -> RankFailure | None:
-        """After an error: the failure of a rank found dead within DEATH_GRACE_S (a vanished
-        peer fails gloo's wait before its process is reaped); with every local rank alive and
-        ranks on other nodes, those (whose death this node cannot see but through the failed
-        collective); else None."""
-        deadline = time.monotonic() + DEATH_GRACE_S
-        while True:
-            try:
-                self.check()
-            except RankFailure as failure:
-                return failure
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        """After an error: the failure of a rank found dead within DEATH_GRACE_S, among this
+        group's workers and the processes of `peer_watches`, one killed by a signal first; with
+        every local rank alive and ranks on other nodes, those (whose death this node cannot
+        see but through the failed collective); else None."""
+        watches = [*self.peer_watches, self]
+
+        def first(killed_only: bool) -> RankFailure | None:
+            return next((f for w in watches if (f := w.poll(killed_only)) is not None), None)
+
+        failure = watch_for_failure([lambda: first(True), lambda: first(False)])
+        if failure is not None:
+            self.failed(failure)
+            return failure
         if not self.remote:
             return None
         self.failure = remote_ranks_failed(self.role, self.remote)
         return RankFailure(self.failure + CANNOT_CONTINUE)
 
+    def failed(self, failure: RankFailure) -> None:
+        """The ranks cannot continue (`failure`, found here or by the caller): every later
+        check raises it, and shutdown terminates the workers instead of sending STOP (they may
+        wait in any collective, where a STOP would wait with them)."""
+        self._down = self._down or failure
+        self._stopping.graceful = False
+
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers and drop the groups: STOP, then terminate whoever lingers; not
-        `graceful` (rank 0 failed while starting, the workers may wait in any collective):
-        terminate them."""
-        self._stopping.graceful = graceful
+        `graceful` (rank 0 failed while starting, or the ranks `failed`: the workers may wait
+        in any collective): terminate them."""
+        self._stopping.graceful = self._stopping.graceful and graceful
         self._finalizer()
 
 
@@ -252,13 +288,15 @@ def _watchdog(
 def _stop(tp: TPGroup, procs: dict[int, Any], stopping: _Stopping) -> None:
     stopping.event.set()
     alive = all(p.is_alive() for p in procs.values())
-    if stopping.graceful and alive and tp.cpu_group is not None:
+    told = stopping.graceful and alive and tp.cpu_group is not None
+    if told:
         from swaserve.distributed.step_wire import HEADER, STOP
 
         words = torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64)
         with contextlib.suppress(RuntimeError):
             tp.broadcast(words, on_cpu=True)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    # the workers told to stop get the time to; the others may wait in any collective
+    deadline = time.monotonic() + (STOP_TIMEOUT_S if told else 0.0)
     for p in procs.values():
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
@@ -290,8 +328,12 @@ def _wait_ready(
             )
 
 
-def start_tensor_parallel(config: EngineConfig, folder: Path) -> TensorParallel:
-    """Rank 0: host the rendezvous, spawn this node's other ranks, join the groups."""
+def start_tensor_parallel(
+    config: EngineConfig, folder: Path, expert_parallel: dict | None = None
+) -> TensorParallel:
+    """Rank 0: host the rendezvous, spawn this node's other ranks, join the groups.
+    `expert_parallel`: this engine core's place in an expert-parallel world, for its workers
+    (ep_tp.py)."""
     size = config.tensor_parallel_size
     device = worker_device(config, 0)
     apply_nccl_guard(device.type == "cuda" and config.cuda_graph_max_bs != 0, size)
@@ -301,7 +343,8 @@ def start_tensor_parallel(config: EngineConfig, folder: Path) -> TensorParallel:
     host, port = rendezvous_address(config)
     store = open_store(host, port, size, is_master=True)
     per_node = size // config.nnodes
-    procs = spawn_ranks(config, folder, host, store.port, range(1, per_node))
+    procs = spawn_ranks(config, folder, host, store.port, range(1, per_node),
+                        expert_parallel=expert_parallel)  # fmt: skip
     try:
         _wait_ready(store, range(1, size), procs)
         tp = TPGroup.create(store, 0, size, host, device)

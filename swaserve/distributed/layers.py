@@ -16,7 +16,10 @@ Per rank r of T (Megatron's split, one all-reduce after attention and one after 
                    runner gathers the logits (tp_runner.py)
 
 Norms (q/k norms are per head), rotary and the experts' router are replicated. Biases of a
-row-parallel layer are added by rank 0 alone, so the all-reduce sums them once.
+row-parallel layer are added by rank 0 alone, so the all-reduce sums them once. Under expert
+parallelism (`experts=False`) the experts are not cut here: each rank holds whole experts of its
+own (expert_shards.py), and their output is summed over the ranks by the MoE exchange
+(expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -178,10 +181,10 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def shard_model(model: nn.Module, tp: TPGroup) -> dict[str, Shard]:
+def shard_model(model: nn.Module, tp: TPGroup, experts: bool = True) -> dict[str, Shard]:
     """Make a model built on the meta device rank tp.rank's shard (see the module docstring);
     returns {parameter name: Shard} for the loader. ValueError naming the flag when a dimension
-    does not split."""
+    does not split. `experts`: cut the MoE experts too (False under expert parallelism)."""
     planner = _Planner(tp)
     with torch.device("meta"):
         for name, module in list(model.named_modules()):
@@ -190,17 +193,17 @@ def shard_model(model: nn.Module, tp: TPGroup) -> dict[str, Shard]:
                 planner.attention(module, prefix)
             elif isinstance(module, GatedMLP):
                 planner.mlp(module, prefix)
-            elif isinstance(module, SparseMoE):
+            elif isinstance(module, SparseMoE) and experts:
                 planner.experts(module, prefix)
         planner.vocab(model)
     return planner.shards
 
 
-def check_shardable(hf_config, size: int) -> None:
+def check_shardable(hf_config, size: int, experts: bool = True) -> None:
     """Whether the model splits over `size` ranks (on the meta device: no memory, no
     processes): a ValueError naming --tensor-parallel-size before any worker starts."""
     from swaserve.models.registry import model_class
 
     with torch.device("meta"):
         model = model_class(hf_config)(hf_config)
-    shard_model(model, TPGroup.layout_only(0, size))
+    shard_model(model, TPGroup.layout_only(0, size), experts)

@@ -1,7 +1,8 @@
 """The process groups of this process and their collectives: the one place that creates a
 group (layers, the step wire and the workers are handed a `TPGroup`; the data-parallel ranks of
 DP attention + expert parallelism an `EPGroup`, the same two groups over the D ranks plus the
-collectives of the MoE exchange).
+collectives of the MoE exchange; with -tp T inside each data-parallel rank, T of them, one per
+tensor-parallel index: `expert_group_store`).
 
 Tensor parallelism over T ranks makes two groups, both from one TCPStore that rank 0 hosts at
 the rendezvous address:
@@ -147,6 +148,13 @@ class TPGroup:
                     group.abort()
                 except Exception:  # noqa: BLE001 - best effort, the engine stops anyway
                     pass
+
+
+def expert_group_store(store: dist.Store, tp_rank: int) -> dist.Store:
+    """Where the D data-parallel ranks' tensor-parallel ranks `tp_rank` meet to form their
+    expert-parallel group (one group per tensor-parallel index: ep_tp.py); index 0, the engine
+    cores, meet on the store itself."""
+    return store if tp_rank == 0 else dist.PrefixStore(f"ep_tp{tp_rank}", store)
 
 
 @dataclass

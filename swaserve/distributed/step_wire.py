@@ -14,6 +14,9 @@ Every message starts with a header, HEADER int64 words over the gloo group:
              computes its vocabulary shard's logits and rank 0 gathers them
     COPY     a = pairs n: payload (gloo) src[n] | dst[n], KV page copies (copy-on-write of the
              prefix cache) to make before the next forward
+    MOE      expert parallelism (ep_tp.py): a = fixed path (0/1), b = data-parallel ranks D;
+             payload (gloo) the agreed token count of every data-parallel rank [D]; this
+             rank's FORWARD follows, or, when its count is 0, the worker runs the idle forward
     STOP     the worker returns
 
 A step's positions are not sent: request r's run from context_lens[r] for query_lens[r] tokens.
@@ -30,6 +33,7 @@ from swaserve.distributed.parallel_state import TPGroup
 
 HEADER = 4
 FORWARD, LOGITS, COPY, STOP = 1, 2, 3, 4
+MOE = 8  # (5-7 are ep_wire's, whose STOP is this one)
 
 
 @dataclass
@@ -42,6 +46,8 @@ class Message:
     hidden: torch.Tensor | None = None  # LOGITS, on the device
     src: list[int] | None = None  # COPY
     dst: list[int] | None = None  # COPY
+    sizes: list[int] | None = None  # MOE
+    fixed: bool = False  # MOE
 
 
 class StepWire:
@@ -75,6 +81,10 @@ class StepWire:
         self._header(COPY, len(src))
         self.tp.broadcast(torch.tensor(list(src) + list(dst), dtype=torch.int64), on_cpu=True)
 
+    def send_moe(self, sizes: list[int], fixed: bool) -> None:
+        self._header(MOE, int(fixed), len(sizes))
+        self.tp.broadcast(torch.tensor(sizes, dtype=torch.int64), on_cpu=True)
+
     def send_stop(self) -> None:
         self._header(STOP)
 
@@ -103,6 +113,8 @@ class StepWire:
         if op == COPY:
             vals = self._payload(2 * a)
             return Message(op, src=vals[:a], dst=vals[a:])
+        if op == MOE:
+            return Message(op, sizes=self._payload(b), fixed=bool(a))
         if op == STOP:
             return Message(op)
         raise RuntimeError(f"step wire: unknown op {op}")

@@ -6,6 +6,7 @@ shards and meet rank 0 in every collective of it.
     forward(fb)               the model; its all-reduces pair with the workers' forward
     logits(hidden)            LOGITS: the rows; every rank's vocabulary shard, gathered here
     mirror_copies(src, dst)   COPY: the prefix cache's copy-on-write, made on every rank
+    announce_moe_step(...)    MOE: an expert-parallel step's sizes, before its forward (ep_tp.py)
 
 Sampling, the scheduler, the memory manager and the prefix cache stay on rank 0; page ids mean
 the same in every rank's pool. Every exchange runs under `TensorParallel.guard`, so a rank that
@@ -64,3 +65,7 @@ class TPModelRunner(ModelRunner):
     def mirror_copies(self, src: list[int], dst: list[int]) -> None:
         with self.parallel.guard():
             self.wire.send_copies(src, dst)
+
+    def announce_moe_step(self, sizes: list[int], fixed: bool) -> None:
+        with self.parallel.guard():
+            self.wire.send_moe(sizes, fixed)

@@ -6,6 +6,8 @@ memory on CUDA, agree on the page count (the smallest pool), allocate the KV poo
 heads, calibrate FP8 scales (the largest over the ranks). Then `serve_steps` mirrors rank 0's
 messages (step_wire.py) until STOP or until rank 0 is gone (the next wait fails).
 No scheduler, memory manager, prefix cache or sampler here: rank 0 decides, the workers run.
+Inside a rank of DP attention + expert parallelism the worker also holds experts of its own and
+joins its tensor-parallel index's expert-parallel group (ep_tp.py) before building its shard.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pathlib import Path
 import torch
 
 from swaserve.config import EngineConfig
+from swaserve.distributed.expert_parallel import ExpertParallel
+from swaserve.distributed.launch import RankFailure
 from swaserve.distributed.parallel_state import TPGroup, open_store
-from swaserve.distributed.step_wire import COPY, FORWARD, LOGITS, STOP, StepWire
+from swaserve.distributed.step_wire import COPY, FORWARD, LOGITS, MOE, STOP, StepWire
 from swaserve.engine.model_runner import ModelRunner
 
 log = logging.getLogger("swaserve.worker")
@@ -46,25 +50,37 @@ def worker_main(rank: int, spec_json: str) -> None:
     store = open_store(spec["host"], spec["port"], config.tensor_parallel_size, False)
     store.set(ready_key(rank), "1")
     tp = TPGroup.create(store, rank, config.tensor_parallel_size, spec["host"], device)
+    ep = None
     try:
-        runner = build_shard(config, Path(spec["folder"]), tp)
+        if spec.get("expert_parallel"):  # this rank's experts, and their group (ep_tp.py)
+            from swaserve.distributed.ep_tp import join_as_worker
+
+            ep = join_as_worker(spec["expert_parallel"], tp, device)
+        runner = build_shard(config, Path(spec["folder"]), tp, ep)
         serve_steps(
             runner,
             StepWire(
                 tp, int(runner.model.config.hidden_size), next(runner.model.parameters()).dtype
             ),
+            ep,
         )
     except RuntimeError as e:
-        if "Connection closed by peer" in str(e):  # gloo's word for a vanished rank 0
+        # gloo's word for a vanished rank 0 (a dead expert-parallel peer is a RankFailure)
+        if "Connection closed by peer" in str(e) and not isinstance(e, RankFailure):
             log.info("rank 0 is gone; tensor-parallel rank %d exits", rank)
             sys.exit(0)
         raise
     finally:
+        if ep is not None:
+            ep.group.shutdown()
         tp.shutdown()
 
 
-def build_shard(config: EngineConfig, folder: Path, tp: TPGroup) -> ModelRunner:
-    """This rank's model shard and KV pool, built as EngineCore builds rank 0's."""
+def build_shard(
+    config: EngineConfig, folder: Path, tp: TPGroup, ep: ExpertParallel | None = None
+) -> ModelRunner:
+    """This rank's model shard and KV pool, built as EngineCore builds rank 0's (`ep`: with
+    experts of its own, in its expert-parallel group)."""
     from swaserve.attention import backend_class
     from swaserve.distributed.layers import kv_heads_per_rank
     from swaserve.engine.core import agree_kv_scales, kv_budget_bytes
@@ -78,7 +94,12 @@ def build_shard(config: EngineConfig, folder: Path, tp: TPGroup) -> ModelRunner:
     device, dtype = tp.device, config.torch_dtype()
     hf = load_hf_config(folder)
     max_model_len = check_model_len(config.max_model_len, int(hf.max_position_embeddings))
-    model = build_model(hf, folder, dtype, device, config.load_format == "dummy", config.seed, tp)
+    model = build_model(hf, folder, dtype, device, config.load_format == "dummy", config.seed, tp,
+                        ep=None if ep is None else ep.experts_place)  # fmt: skip
+    if ep is not None:  # before the start-up forwards: their MoE layers join the exchange
+        from swaserve.distributed.ep_tp import attach_worker
+
+        attach_worker(ep, model, tp, config)
     if device.type == "cuda" and not config.disable_fused_ops:
         from swaserve.ops import enable_fused_ops
 
@@ -131,13 +152,20 @@ def build_shard(config: EngineConfig, folder: Path, tp: TPGroup) -> ModelRunner:
     return ModelRunner(model, kv, backend, device)
 
 
-def serve_steps(runner: ModelRunner, wire: StepWire) -> None:
+def serve_steps(runner: ModelRunner, wire: StepWire, ep: ExpertParallel | None = None) -> None:
     """Mirror rank 0's messages (step_wire.py) until STOP."""
     with torch.inference_mode():
         while True:
             msg = wire.recv()
             if msg.op == FORWARD:
                 runner.forward(runner.build(msg.input_ids, msg.inputs))
+                if ep is not None:
+                    ep.end_step()
+            elif msg.op == MOE:  # an expert-parallel step: its sizes, then this rank's forward
+                ep.begin_step(msg.sizes, msg.fixed)
+                if not msg.sizes[ep.rank]:  # or, without tokens here, the idle forward now
+                    ep.idle_forward()
+                    ep.end_step()
             elif msg.op == LOGITS:
                 wire.tp.gather(runner.model.compute_logits(msg.hidden).float().contiguous())
             elif msg.op == COPY:

@@ -145,10 +145,10 @@ class EngineCore:
         ep = self.ep
         self.model = build_model(
             hf, folder, self.dtype, self.device, config.load_format == "dummy", config.seed, tp,
-            ep=None if ep is None else (ep.rank, ep.size),
+            ep=None if ep is None else ep.experts_place,
         )
         if ep is not None:
-            ep.attach(self.model)
+            ep.attach(self.model, tp)
         if self.device.type == "cuda" and not config.disable_fused_ops:
             from swaserve.ops import enable_fused_ops
 
@@ -206,6 +206,8 @@ class EngineCore:
             self.runner = TPModelRunner(self.model, self.kv, backend, self.device, self.parallel)
             if self.cache is not None:  # copy-on-write copies: made on every rank
                 self.cache.mover.mirror = self.runner.mirror_copies
+            if self.ep is not None:  # each agreed step's sizes: to the workers (ep_tp.py)
+                self.ep.announce = self.runner.announce_moe_step
         # --seed makes unseeded sampling reproducible run to run (seeded requests use their own)
         self.sampler = Sampler(eos_token_ids=sorted(self.eos_token_ids), seed=config.seed)
         # Speculative decoding (off by default); steps that draft run without overlap (see
@@ -282,7 +284,8 @@ class EngineCore:
                 f"--node-rank {self.config.node_rank} runs only tensor-parallel workers: start "
                 "that node with `swaserve serve --node-rank ...`; node 0 runs the engine"
             )
-        check_shardable(self.hf_config, size)
+        ep = self.ep
+        check_shardable(self.hf_config, size, experts=ep is None)  # EP: experts stay whole
         if self.device.type == "cuda":  # rank r on cuda:K+r (K: 0, or a replica's first GPU)
             first, count = self.device.index or 0, torch.cuda.device_count()
             if first + size // self.config.nnodes > count:
@@ -290,7 +293,14 @@ class EngineCore:
                     f"--device {self.config.device} with --tensor-parallel-size {size}: rank r "
                     f"uses cuda:{first}+r, beyond this machine's {count} GPUs"
                 )
-        self.parallel = start_tensor_parallel(self.config, folder)
+        self.parallel = start_tensor_parallel(
+            self.config, folder, expert_parallel=None if ep is None else ep.place
+        )
+        if ep is not None:
+            # a failed collective, of the expert-parallel world or of this rank's group, is
+            # named by one watch: the other ranks' processes first, then this rank's workers
+            self.parallel.peer_watches = ep.watches
+            ep.explain = self.parallel.explain
         return self.parallel.tp
 
     def check_ranks(self) -> None:

@@ -41,7 +41,8 @@ def join_group(config: EngineConfig, spec: dict) -> ExpertParallel:
 
         torch.cuda.set_device(device)
     return join_expert_parallel(
-        spec["size"], spec["rank"], spec["host"], spec["port"], device, spec.get("node", 0)
+        spec["size"], spec["rank"], spec["host"], spec["port"], device, spec.get("node", 0),
+        config.tensor_parallel_size,
     )
 
 
@@ -57,6 +58,8 @@ class EPCoreLoop(CoreLoop):
             if parent_gone and not ep.want_stop:
                 log.warning("the server process is gone; engine core exits")
             ep.want_stop = ep.want_stop or not self.running or parent_gone
+            if not busy:  # a tensor-parallel worker that died while idle: fail now, not later
+                core.check_ranks()
             start = time.monotonic()
             outputs = core.step()
             queue_times = first_scheduled(self.queued, start) if self.queued else []

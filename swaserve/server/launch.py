@@ -13,7 +13,9 @@ labels every series with `dp_rank`. One replica's core dying (or its tensor-para
 the core then fails) is the server's end, as with one core: every live request (on any
 replica) ends with an error naming the rank, and the server exits.
 With `--enable-expert-parallel` (MoE models) the D cores also form one torch.distributed group
-whose rendezvous store this process hosts; they step in lockstep (server/core_loop_ep.py). With
+whose rendezvous store this process hosts; they step in lockstep (server/core_loop_ep.py), with
+`-tp T` each with its T - 1 workers, which join the experts' groups through the same store
+(distributed/ep_tp.py). With
 `--nnodes N` only the first D/N cores run here; the others' pipes are TCP sockets bound here
 and handed to their nodes through the store (server/ep_nodes.py).
 
@@ -87,21 +89,22 @@ def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of data-parallel replica `rank`: one replica of T tensor-parallel ranks, on
     CUDA from cuda:(local rank x T) (its T ranks: the next T GPUs of this node), with a
     rendezvous of its own (--dist-init-addr HOST:PORT: HOST:PORT+rank; else a free port), so
-    that no two replicas' groups meet. With expert parallelism (T = 1) the rank is one process
-    on one node whose place in the group travels beside the config (the core's spec)."""
+    that no two replicas' groups meet. With expert parallelism the rank's core and its T - 1
+    workers are on one node and meet on a free local port; its place in the expert-parallel
+    group travels beside the config (the core's spec)."""
     dp = config.data_parallel_size
     if dp == 1:
         return config
     local = rank % (dp // config.nnodes) if config.enable_expert_parallel else rank
-    device = config.device
+    device, tp = config.device, config.tensor_parallel_size
     if config.torch_device().type == "cuda":
-        device = f"cuda:{local * config.tensor_parallel_size}"
+        device = f"cuda:{local * tp}"
     addr = config.dist_init_addr
-    if addr is not None and config.tensor_parallel_size > 1:
+    if addr is not None and tp > 1 and not config.enable_expert_parallel:
         host, _, port = addr.rpartition(":")
         addr = f"{host}:{int(port) + rank}"
     else:
-        addr = None  # one process per replica: nothing to meet
+        addr = None  # one process per replica, or one node's: nothing to meet elsewhere
     return dataclasses.replace(
         config, data_parallel_size=1, enable_expert_parallel=False, device=device,
         nnodes=1, node_rank=0, dist_init_addr=addr,
@@ -172,7 +175,9 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
             from swaserve.distributed.expert_shards import check_expert_parallel
             from swaserve.weights.loader import load_hf_config
 
-            check_expert_parallel(load_hf_config(folder), config.data_parallel_size)
+            check_expert_parallel(
+                load_hf_config(folder), config.data_parallel_size, config.tensor_parallel_size
+            )
         tokenizer = load_tokenizer(folder, config.tokenizer)
         chat_template = read_chat_template(config.chat_template)
         tmp = tempfile.mkdtemp(prefix="swaserve-ipc-")

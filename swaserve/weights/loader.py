@@ -65,7 +65,8 @@ def build_model(
     ep: tuple[int, int] | None = None,
 ) -> nn.Module:
     """The model of `hf_config` with its weights; with `tp` (size > 1) rank tp.rank's shard;
-    with `ep` (rank, size) that data-parallel rank's experts (expert parallelism)."""
+    with `ep` (expert-parallel rank, size) that rank's experts, whole (expert parallelism; with
+    `tp` too, attention and the dense parts are tp.rank's shard)."""
     cls = model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config)
@@ -73,11 +74,11 @@ def build_model(
     if tp is not None and tp.size > 1:
         from swaserve.distributed.layers import shard_model
 
-        shards = shard_model(model, tp)
+        shards = shard_model(model, tp, experts=ep is None)
     if ep is not None:
         from swaserve.distributed.expert_shards import shard_experts
 
-        shards = shard_experts(model, *ep)
+        shards.update(shard_experts(model, *ep))
     # Cast on meta first: the device never holds a float32 copy of the weights.
     model = model.to(dtype).to_empty(device=device)
     params = dict(model.named_parameters())

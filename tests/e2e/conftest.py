@@ -121,6 +121,34 @@ def check_dead_rank_1_stops_server(srv: RunningServer, body: dict) -> None:
     assert 503 in statuses and "dp rank 1" in health, (statuses, health)
 
 
+def check_both_ranks_served(srv: RunningServer) -> list[dict]:
+    """/v1/memory has data-parallel ranks 0 and 1, and /metrics counts finished requests on
+    both; returns their /v1/memory entries."""
+    import re
+
+    ranks = httpx.get(srv.base_url + "/memory", timeout=10).json()["ranks"]
+    assert [r["dp_rank"] for r in ranks] == [0, 1]
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    for rank in ("0", "1"):
+        m = re.search(rf'swaserve:request_success_total{{dp_rank="{rank}"[^}}]*}} (\S+)', text)
+        assert m and float(m.group(1)) > 0, text[:2000]
+    return ranks
+
+
+def kill_worker_of_rank_1(srv: RunningServer, body: dict) -> int:
+    """SIGKILL the one tensor-parallel worker of data-parallel rank 1's core while `body` streams
+    (kill_mid_stream's checks); returns its pid. Then the server's log is complete."""
+    import re
+
+    from tests.helpers import spawned_children
+
+    core = int(re.search(r"engine core process (\d+) is loading .*dp rank 1", srv.log()).group(1))
+    workers = spawned_children(core)
+    assert len(workers) == 1, workers
+    kill_mid_stream(srv, body, lambda: os.kill(workers[0], signal.SIGKILL))
+    return workers[0]
+
+
 def offline_greedy(folder, prompts: list[list[int]], lens: list[int], **engine) -> list[list[int]]:
     """One process's greedy tokens (ignore_eos, `lens[i]` of them) for each prompt."""
     from swaserve import Engine, SamplingParams

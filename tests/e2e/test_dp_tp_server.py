@@ -6,20 +6,18 @@ log and /health naming the replica and the rank."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 
-import httpx
 import pytest
 
 from tests.e2e.conftest import (
     RunningServer,
+    check_both_ranks_served,
     concurrent_token_ids,
-    kill_mid_stream,
+    kill_worker_of_rank_1,
     offline_greedy,
 )
-from tests.helpers import random_prompts, spawned_children
+from tests.helpers import random_prompts
 
 pytestmark = pytest.mark.slow  # its own server: 2 core processes and 2 workers
 
@@ -44,23 +42,14 @@ def test_concurrent_requests_equal_one_process(dp_tp_server, tiny_model_folder):
     want = offline_greedy(tiny_model_folder, prompts, lens, device="cpu", dtype="float32",
                           page_size=4, max_num_batched_tokens=16, kv_cache_gb=0.05)  # fmt: skip
     assert concurrent_token_ids(dp_tp_server, str(tiny_model_folder), prompts, lens) == want
-    mem = httpx.get(dp_tp_server.base_url + "/memory", timeout=10).json()
-    assert [r["dp_rank"] for r in mem["ranks"]] == [0, 1]
-    assert all(r["pages_total"] > 0 for r in mem["ranks"])
-    text = httpx.get(dp_tp_server.url + "/metrics", timeout=10).text
-    for rank in ("0", "1"):  # both replicas served some
-        m = re.search(rf'swaserve:request_success_total{{dp_rank="{rank}"[^}}]*}} (\S+)', text)
-        assert m and float(m.group(1)) > 0, text[:2000]
+    ranks = check_both_ranks_served(dp_tp_server)
+    assert all(r["pages_total"] > 0 for r in ranks)
 
 
 def test_a_killed_worker_of_replica_1_stops_the_server(dp_tp_server, tiny_model_folder):
-    log = dp_tp_server.log()
-    core = int(re.search(r"engine core process (\d+) is loading .*dp rank 1", log).group(1))
-    workers = spawned_children(core)
-    assert len(workers) == 1, workers
     body = {"model": str(tiny_model_folder), "prompt": [5, 6, 7], "max_tokens": 2000,
             "stream": True, "ignore_eos": True}  # fmt: skip
-    kill_mid_stream(dp_tp_server, body, lambda: os.kill(workers[0], signal.SIGKILL))
+    kill_worker_of_rank_1(dp_tp_server, body)
     log = dp_tp_server.log()
     assert re.search(r"dp rank 1: .*tensor-parallel rank 1 \(pid \d+\) was killed by SIGKILL",
                      log, re.S), log[-3000:]  # fmt: skip

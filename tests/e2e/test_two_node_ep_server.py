@@ -15,7 +15,6 @@ import sys
 
 import httpx
 import pytest
-import transformers
 
 from tests.e2e.conftest import (
     RunningServer,
@@ -24,7 +23,7 @@ from tests.e2e.conftest import (
     kill_mid_stream,
     offline_greedy,
 )
-from tests.helpers import random_prompts, save_random_hf_model
+from tests.helpers import random_prompts, save_random_hf_model, tiny_moe_config
 
 pytestmark = pytest.mark.slow  # two server processes of their own
 
@@ -35,12 +34,7 @@ FLAGS = ["-dp", "2", "--enable-expert-parallel", "--nnodes", "2", "--device", "c
 
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory):
-    cfg = transformers.Qwen3MoeConfig(
-        hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256,
-        vocab_size=128, num_key_value_heads=2, intermediate_size=96, num_hidden_layers=3,
-        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        mlp_only_layers=[1],
-    )  # fmt: skip
+    cfg = tiny_moe_config()
     folder = tmp_path_factory.mktemp("moe")
     save_random_hf_model(cfg, folder)
     return folder

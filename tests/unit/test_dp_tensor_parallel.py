@@ -141,9 +141,8 @@ def test_replica_devices_and_rendezvous(monkeypatch):
 
 def test_flags_still_refused_name_themselves():
     EngineConfig(data_parallel_size=2, tensor_parallel_size=2)  # runs now
-    with pytest.raises(ValueError, match=r"^invalid --tensor-parallel-size 2 .*"
-                       r"--enable-expert-parallel is not supported yet"):  # fmt: skip
-        EngineConfig(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    # with expert parallelism too (tests/unit/test_ep_tp_flags.py: what it still refuses)
+    EngineConfig(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match=r"^invalid --nnodes 2 .*--enable-expert-parallel only"):
         EngineConfig(data_parallel_size=2, tensor_parallel_size=2, nnodes=2,
                      dist_init_addr="127.0.0.1:1234")  # fmt: skip

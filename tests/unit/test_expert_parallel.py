@@ -183,44 +183,62 @@ def test_prompt_logits_equal_one_process(pair):
     two.core.check_integrity()
 
 
-@pytest.mark.parametrize("pair", ["qwen3_moe"], indirect=True)
-def test_prefix_hit_on_one_rank(pair):
-    _, one, two = pair
-    base = _prompts([30], seed=5)[0]
+def check_prefix_hit_on_rank_1(one: Engine, many: Engine, base: list[int]) -> None:
+    """A 30-token prompt `base` on rank 1 of `many`, then two sharing 27 and 29 of its tokens:
+    one process's tokens, logprobs and cached-token counts (hits on rank 1's own cache)."""
     first = [("p0", base + [1, 2, 3], _params(6), 1)]
     second = [("p1", base[:27] + [7, 8, 9, 10, 11], _params(6), 1),
               ("p2", base[:29] + [12] * 9, _params(6), 1)]  # fmt: skip
     a = {**drive(one.core, first), **drive(one.core, second)}
-    b = {**drive(two.core, first), **drive(two.core, second)}
+    b = {**drive(many.core, first), **drive(many.core, second)}
     _assert_close(a, b, ["p0", "p1", "p2"])
     assert [b[r][2] for r in ("p1", "p2")] == [a[r][2] for r in ("p1", "p2")]
     assert all(b[r][2] >= 24 for r in ("p1", "p2"))  # hits on rank 1's own prefix cache
-    two.core.check_integrity()
+    many.core.check_integrity()
+
+
+@pytest.mark.parametrize("pair", ["qwen3_moe"], indirect=True)
+def test_prefix_hit_on_one_rank(pair):
+    _, one, two = pair
+    check_prefix_hit_on_rank_1(one, two, _prompts([30], seed=5)[0])
 
 
 # ---- idle ranks -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pair", ["gpt_oss"], indirect=True)
-def test_one_rank_idle_for_many_steps(pair):
-    """Rank 1 without requests while rank 0 decodes 40 tokens, then the other way round: the
-    idle rank runs an idle forward in every step and serves its experts."""
-    _, one, two = pair
-    ids = _prompts([11], seed=7)[0]
-    idle = []
-    ep = two.core.local.ep
+@contextlib.contextmanager
+def counting_idle_forwards(core):
+    """Inside: one entry in the yielded list per idle forward of rank 0 (this process)."""
+    idle: list[int] = []
+    ep = core.local.ep
     idle_forward = ep.idle_forward
     ep.idle_forward = lambda: (idle.append(1), idle_forward())
     try:
-        ref = drive(one.core, [("r", ids, _params(40), 0)])
-        on0 = drive(two.core, [("r", ids, _params(40), 0)])
-        assert not idle  # rank 0 had work in every step
-        on1 = drive(two.core, [("s", ids, _params(40), 1)])
+        yield idle
     finally:
         ep.idle_forward = idle_forward
-    assert on0["r"][0] == ref["r"][0] and on1["s"][0] == ref["r"][0]
-    assert len(idle) >= 40  # rank 0 joined every one of rank 1's steps without tokens
-    two.core.check_integrity()
+
+
+def check_one_rank_idle(one: Engine, many: Engine, ids: list[int], n: int) -> None:
+    """Rank 1 of `many` without requests while rank 0 decodes n tokens of `ids`, then the other
+    way round: one process's tokens and logprobs, and the idle rank 0 runs an idle forward in
+    every step of rank 1 (and none while it has work)."""
+    with counting_idle_forwards(many.core) as idle:
+        ref = drive(one.core, [("r", ids, _params(n), 0)])
+        on0 = drive(many.core, [("r", ids, _params(n), 0)])
+        assert not idle  # rank 0 had work in every step
+        on1 = drive(many.core, [("s", ids, _params(n), 1)])
+    _assert_close(ref, on0, ["r"])
+    _assert_close(ref, {"r": on1["s"]}, ["r"])
+    assert len(idle) >= n  # rank 0 joined every one of rank 1's steps without tokens
+    many.core.check_integrity()
+
+
+@pytest.mark.parametrize("pair", ["gpt_oss"], indirect=True)
+def test_one_rank_idle_for_many_steps(pair):
+    """The idle rank runs an idle forward in every step and serves its experts."""
+    _, one, two = pair
+    check_one_rank_idle(one, two, _prompts([11], seed=7)[0], 40)
 
 
 @pytest.mark.parametrize("pair", ["qwen3_moe"], indirect=True)
@@ -400,7 +418,7 @@ def test_bad_flags_fail_at_start(folders):
     for kwargs, flag in [
         (dict(speculative_algorithm="dflash"), "--speculative-algorithm"),
         (dict(moe_decode_max_tokens_per_rank=-1), "--moe-decode-max-tokens-per-rank"),
-        (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
+        (dict(tensor_parallel_size=2, nnodes=2, dist_init_addr="127.0.0.1:1"), "--nnodes"),
     ]:
         with pytest.raises(ValueError, match=rf"^invalid {flag} "):
             EngineConfig(**EP, **kwargs)

@@ -15,7 +15,7 @@ import pytest
 
 from swaserve import Engine, SamplingParams
 from tests.helpers import save_random_hf_model
-from tests.unit.test_expert_parallel import ENGINE, EP, _configs, deadline
+from tests.unit.test_expert_parallel import ENGINE, EP, _configs, counting_idle_forwards, deadline
 
 # every step drafts: the tests count verify steps (the gate has its own tests)
 SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=3,
@@ -87,14 +87,8 @@ def test_one_rank_idle_while_the_other_verifies(engines, busy):
     one, two = engines
     reqs = [("v", PROMPTS[0], 30, busy)]
     ref = _reference(one, reqs)
-    idle = []
-    ep = two.core.local.ep
-    idle_forward = ep.idle_forward
-    ep.idle_forward = lambda: (idle.append(1), idle_forward())
-    try:
+    with counting_idle_forwards(two.core) as idle:
         got = run(two.core, reqs)
-    finally:
-        ep.idle_forward = idle_forward
     tokens, spec = got["v"]
     assert tokens == ref["v"][0]
     assert spec["spec_verify_ct"] > 0
