@@ -164,8 +164,11 @@ class EngineConfig:
         self._check_data_parallel(bad)
         if tp == 1:
             return
+        # n-gram speculation: verify chunks are forwards like any other on every rank, its
+        # drafts and acceptance on rank 0 (tests/unit/test_tensor_parallel.py). DFlash's drafter
+        # is not sharded.
         unsupported = [
-            ("speculative_algorithm", self.speculative_algorithm is not None),
+            ("speculative_algorithm", self.speculative_algorithm not in (None, "ngram")),
             ("host_cache_gb", self.host_cache_gb > 0),
             ("disk_cache_dir", self.disk_cache_dir is not None),
         ]
@@ -228,8 +231,9 @@ class EngineConfig:
                       "is not supported yet (its processes on one machine; over machines give "
                       "--tensor-parallel-size 1)")
         # N-gram speculation runs per rank (each drafts for its own requests; verify forwards
-        # join the MoE exchange like any forward); with -tp it is refused in _check_parallel,
-        # as with plain -tp (speculation under tensor parallelism is not built yet). DFlash
+        # join the MoE exchange like any forward). With -tp inside the ranks it is refused:
+        # the workers size their decode workspace for one token a request (ep_tp.attach_worker)
+        # and a verify step takes K + 1. DFlash
         # stays refused until a test holds it here: its drafter is dense and per rank (no
         # collective), but its context K/V come from the target's kept hidden states, and no
         # test covers that over an expert-parallel target yet (a tiny DFlash drafter for
@@ -237,6 +241,9 @@ class EngineConfig:
         if self.speculative_algorithm == "dflash":
             raise bad("speculative_algorithm", "is not supported with --enable-expert-parallel "
                       "yet (ngram is)")
+        if self.speculative_algorithm is not None and tp > 1:
+            raise bad("speculative_algorithm", f"is not supported with --enable-expert-parallel "
+                      f"and --tensor-parallel-size {tp} yet (ngram runs with either alone)")
 
     def _check_disaggregation(self, bad) -> None:
         """A PD instance: what does not run inside a pair yet is refused before loading."""

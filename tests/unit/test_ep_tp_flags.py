@@ -29,7 +29,7 @@ def test_what_is_refused_names_itself():
     EngineConfig(**EP_TP)  # runs now
     for kwargs, flag, why in [
         (dict(speculative_algorithm="ngram"), "--speculative-algorithm",
-         "is not supported with --tensor-parallel-size 2 yet"),
+         "is not supported with --enable-expert-parallel and --tensor-parallel-size 2 yet"),
         (dict(speculative_algorithm="dflash"), "--speculative-algorithm",
          "is not supported with --enable-expert-parallel yet"),
         (dict(host_cache_gb=1.0), "--host-cache-gb",

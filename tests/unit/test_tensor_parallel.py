@@ -12,6 +12,7 @@ time). The server with -tp 2 is the slow test at the end.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -114,6 +115,29 @@ def test_greedy_tokens_and_logprobs_equal_tp1(pair):
         assert torch.equal(p, want), pname
 
 
+@pytest.mark.parametrize("pair", ["gemma3"], indirect=True)
+def test_ngram_speculation_under_tp_equals_tp1(pair, folders):
+    """n-gram drafting with TP = 2 (verify chunks are forwards on every rank, drafts and
+    acceptance on rank 0): the tokens and logprobs of TP = 1 without speculation, through
+    chunked prefill, windows and full, partial and zero acceptances."""
+    from tests.unit.test_spec_engine import _check_counters, _histogram, _repetitive
+
+    name, one, _ = pair
+    prompts = _repetitive(random.Random(0), 4, 5, 8)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    spec = Engine(model=str(folders[name]), tensor_parallel_size=2, speculative_algorithm="ngram",
+                  speculative_num_draft_tokens=3, disable_adaptive_speculation=True, **ENGINE)
+    try:
+        got = spec.generate(prompt_token_ids=prompts, sampling_params=params)
+        spec.core.memory.check_integrity()
+    finally:
+        spec.core.shutdown()
+    assert_same_outputs(one.generate(prompt_token_ids=prompts, sampling_params=params), got)
+    _check_counters(got)
+    h = _histogram(got)
+    assert h[0] > 0 and h[-1] > 0 and len(h) == 4, h  # zero and full acceptances happened
+
+
 @pytest.mark.parametrize("pair", ["llama", "gemma3"], indirect=True)
 def test_prompt_logits_equal_tp1(pair):
     """Every position's logits (the vocabulary gathered, its padding cut) through chunked
@@ -197,7 +221,7 @@ def test_killed_worker_is_a_clear_error_within_seconds(folders):
 
 def test_flags_refused_with_tp_name_themselves(folders):
     for kwargs, flag in [
-        (dict(speculative_algorithm="ngram"), "--speculative-algorithm"),
+        (dict(speculative_algorithm="dflash"), "--speculative-algorithm"),
         (dict(host_cache_gb=1.0), "--host-cache-gb"),
         (dict(disk_cache_dir="/tmp/x"), "--disk-cache-dir"),
     ]:
