@@ -5,8 +5,9 @@ Layouts: `tpT` (`-tp T`), `dpD-ep` (`-dp D --enable-expert-parallel`, the decode
 workspace cap at its default), `dpD-ep-nocap` (`--moe-decode-max-tokens-per-rank 0`),
 `dpD-tpT` (`-dp D -tp T --enable-expert-parallel`: attention TP inside each data-parallel
 rank, the experts over all D x T; its spec step is recorded as refused while the engine
-refuses speculation there). Under `tpT` the spec step drafts (n-gram). Steps (each layout x step in a
-fresh process under --step-timeout, so a hang or a crash costs one row, never the run):
+refuses speculation there). Under `tpT` the spec step drafts (n-gram). Steps (each layout x
+step in a fresh process under --step-timeout, so a hang or a crash costs one row, never the
+run):
 
   throughput-C  C requests at once (max_num_seqs C), prompt and output lengths U[100, 1024]
                 (random.Random(0)): output tok/s
