@@ -5,7 +5,8 @@ Layouts: `tpT` (`-tp T`), `dpD-ep` (`-dp D --enable-expert-parallel`, the decode
 workspace cap at its default), `dpD-ep-nocap` (`--moe-decode-max-tokens-per-rank 0`),
 `dpD-tpT` (`-dp D -tp T --enable-expert-parallel`: attention TP inside each data-parallel
 rank, the experts over all D x T; its spec step is recorded as refused while the engine
-refuses speculation there). Under `tpT` the spec step drafts (n-gram). Steps (each layout x
+refuses speculation with -tp under expert parallelism). Under `tpT` the spec step drafts
+(n-gram; drafting and acceptance on rank 0). Steps (each layout x
 step in a fresh process under --step-timeout, so a hang or a crash costs one row, never the
 run):
 
@@ -156,7 +157,8 @@ def run_step(model: str, layout: str, step: str, tiny: bool, long_requests: int)
             per_rank: dict[int, list[int]] = {}
             for o in outs:
                 s = o.spec_decoding or {}
-                acc = per_rank.setdefault(ranks[f"{o.request_id}-0"], [0, 0])  # n = 1
+                rank = ranks.get(f"{o.request_id}-0", 0)  # n = 1; without -dp: one engine, rank 0
+                acc = per_rank.setdefault(rank, [0, 0])
                 acc[0] += s.get("spec_verify_ct", 0)
                 acc[1] += s.get("spec_accepted_drafts", 0)
             row["spec_per_rank"] = {

@@ -63,9 +63,9 @@ def test_fp8_vs_bf16_tiny(tmp_path, capsys):
 
 @pytest.mark.slow  # rank processes for each layout x step (~1 min)
 def test_scale_out_tiny(tmp_path, capsys, monkeypatch):
-    """benchmarks/scale_out.py on CPU: TP=2 and DP=2+EP=2 on a tiny gpt-oss give the first
-    layout's tokens, a refused layout and a refused step are rows with the engine's error, the
-    n-gram step reports committed tokens per verify step for each DP rank."""
+    """benchmarks/scale_out.py on CPU: TP=2, DP=2+EP=2 and DP=2 x TP=2 + EP=4 on a tiny gpt-oss
+    give the first layout's tokens, a refused step is a row with the engine's error, the n-gram
+    step reports committed tokens per verify step for each DP rank (one under plain TP)."""
     monkeypatch.setenv("OUT", str(tmp_path))
     rc = _script("scale_out").main(
         ["--tiny", "--layouts", "tp2", "dp2-ep", "dp2-tp2", "--steps", "throughput-8", "spec"]
@@ -74,15 +74,16 @@ def test_scale_out_tiny(tmp_path, capsys, monkeypatch):
     _table(capsys.readouterr().out)
     rows = {(r["step"], r["layout"]): r for r in map(
         json.loads, (tmp_path / "scale_out.jsonl").read_text().splitlines())}  # fmt: skip
-    for layout in ("tp2", "dp2-ep"):
+    for layout in ("tp2", "dp2-ep", "dp2-tp2"):
         r = rows["throughput-8", layout]
         assert r["tokens_equal"] is True and r["output_tok_per_s"] > 0, r
     assert rows["throughput-8", "dp2-ep"]["memory"]["ranks_pages_total"][1] > 0
-    assert "not supported" in rows["throughput-8", "dp2-tp2"]["error"]
-    assert "not supported" in rows["spec", "tp2"]["error"]  # n-gram under TP: refused today
-    spec = rows["spec", "dp2-ep"]["spec_per_rank"]
-    assert set(spec) == {"0", "1"}
-    assert all(v["verify_steps"] > 0 and v["tokens_per_verify"] > 1 for v in spec.values())
+    # speculation under -tp with expert parallelism: refused by the engine, recorded as a row
+    assert "not supported" in rows["spec", "dp2-tp2"]["error"]
+    for layout, ranks in (("tp2", {"0"}), ("dp2-ep", {"0", "1"})):
+        spec = rows["spec", layout]["spec_per_rank"]
+        assert set(spec) == ranks, (layout, spec)
+        assert all(v["verify_steps"] > 0 and v["tokens_per_verify"] > 1 for v in spec.values())
 
 
 def test_pd_transfer_tiny(tmp_path, capsys, monkeypatch):
