@@ -59,24 +59,36 @@ def generate_timed(
     return time.perf_counter() - t
 
 
+def local_cores(core: Any) -> list[Any]:
+    """The EngineCores in this process behind an Engine's core: itself, a data-parallel
+    core's replicas (`-dp D` without expert parallelism), or an expert-parallel core's rank 0
+    (its other ranks are processes of their own)."""
+    if hasattr(core, "replicas"):
+        return list(core.replicas)
+    if hasattr(core, "local"):
+        return [core.local]
+    return [core]
+
+
 def run_tracked(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    """All prompts at once, greedy, ignore_eos: wall time, throughput and the scheduler's peaks
-    (requests running, requests past their prompt) and preemptions during the run."""
+    """All prompts at once, greedy, ignore_eos: wall time, throughput and the schedulers' peaks
+    (requests running, requests past their prompt) and preemptions during the run, summed over
+    the cores in this process (`local_cores`: under expert parallelism, rank 0's only)."""
     core = engine.core
-    sched = core.scheduler
+    scheds = [c.scheduler for c in local_cores(core)]
     peak = {"running": 0, "decoding": 0}
     step = core.step
 
     def tracked() -> Any:
         out = step()
-        running = sched.running
+        running = [r for s in scheds for r in s.running]
         peak["running"] = max(peak["running"], len(running))
         peak["decoding"] = max(
             peak["decoding"], sum(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
         )
         return out
 
-    pre0 = sched.num_preemptions
+    pre0 = sum(s.num_preemptions for s in scheds)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     core.step = tracked
     try:
@@ -96,7 +108,8 @@ def run_tracked(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[
         "total_tok_s": (n_out + n_in) / wall,
         "peak_running": peak["running"],
         "peak_decoding": peak["decoding"],
-        "preemptions": sched.num_preemptions - pre0,
+        "preemptions": sum(s.num_preemptions for s in scheds) - pre0,
+        "tracked_cores": len(scheds),
     }
 
 
@@ -127,7 +140,9 @@ def run_offline_bench(
         "requests_per_s": num_prompts / elapsed,
     }
     if dev.type == "cuda":
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.core.model.parameters())
+        # one GPU's weights (rank 0's shard under -tp or expert parallelism): its roofline
+        model = local_cores(engine.core)[0].model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bw = copy_bandwidth(dev)
         roof = weight_bytes / bw
         result.update(

@@ -5,8 +5,9 @@ in float32: greedy tokens equal and logprobs within 1e-4 on tiny random Llama an
 whose one KV head is replicated on both ranks and whose vocabulary (129) is padded over them, with
 requests on both replicas; `memory_stats()` has both. A killed worker of replica 1 is an error
 naming the replica and the rank within seconds (last: it ends the module's engine). Without
-`-tp`, two one-process replicas give the same outputs too. Replica
-configs and device placement, and the flags still refused, are checked without processes.
+`-tp`, two one-process replicas give the same outputs too (and bench's tracked run sees both).
+Replica configs and device placement, and the flags still refused, are checked without
+processes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import transformers
 
 from swaserve import Engine, SamplingParams
+from swaserve.bench.offline import local_cores, run_tracked
 from swaserve.config import EngineConfig
 from swaserve.distributed.launch import worker_device
 from swaserve.server.launch import replica_config
@@ -96,6 +98,11 @@ def test_dp2_without_tp_equals_one_process(folders):
     assert_same_outputs(one.generate(prompt_token_ids=prompts, sampling_params=params),
                         two.generate(prompt_token_ids=prompts, sampling_params=params))
     assert two.core.placement.routed == [2, 2]
+    # bench's tracked run sees both replicas' schedulers (it once asked the core for one)
+    assert local_cores(two.core) == two.core.replicas
+    res = run_tracked(two, prompts, 3)
+    assert res["tracked_cores"] == 2 and res["peak_running"] == len(prompts)
+    assert res["output_tokens"] == 3 * len(prompts) and res["preemptions"] == 0
 
 
 @pytest.mark.parametrize("pair", ["llama"], indirect=True)
