@@ -231,9 +231,9 @@ class EngineConfig:
                       "is not supported yet (its processes on one machine; over machines give "
                       "--tensor-parallel-size 1)")
         # N-gram speculation runs per rank (each drafts for its own requests; verify forwards
-        # join the MoE exchange like any forward). With -tp inside the ranks it is refused:
-        # the workers size their decode workspace for one token a request (ep_tp.attach_worker)
-        # and a verify step takes K + 1. DFlash
+        # join the MoE exchange like any forward). With -tp inside the ranks, rank 0 of each
+        # drafts and accepts, its workers forward the verify chunks, and they size the decode
+        # workspace for K + 1 tokens a request as it does (ep_tp.attach_worker). DFlash
         # stays refused until a test holds it here: its drafter is dense and per rank (no
         # collective), but its context K/V come from the target's kept hidden states, and no
         # test covers that over an expert-parallel target yet (a tiny DFlash drafter for
@@ -241,9 +241,6 @@ class EngineConfig:
         if self.speculative_algorithm == "dflash":
             raise bad("speculative_algorithm", "is not supported with --enable-expert-parallel "
                       "yet (ngram is)")
-        if self.speculative_algorithm is not None and tp > 1:
-            raise bad("speculative_algorithm", f"is not supported with --enable-expert-parallel "
-                      f"and --tensor-parallel-size {tp} yet (ngram runs with either alone)")
 
     def _check_disaggregation(self, bad) -> None:
         """A PD instance: what does not run inside a pair yet is refused before loading."""

@@ -102,11 +102,14 @@ def attach_worker(
     ep: ExpertParallel, model: torch.nn.Module, tp: TPGroup, config: EngineConfig
 ) -> None:
     """A worker's model (built with its experts) joins the exchange, with the decode workspace
-    its core allocates: the same N, from the same config (speculation is refused with -tp, so no
-    drafts: config.py)."""
+    its core allocates: the same N, from the same config and the same drafts per verify (n-gram
+    speculation; DFlash is refused under expert parallelism: config.py). A worker's N that
+    differed from its rank 0's would pad the fixed-path collectives to other shapes."""
     from swaserve.distributed.decode_workspace import decode_cap
+    from swaserve.engine.speculation import ngram_num_drafts
 
     ep.attach(model, tp)
-    cap = decode_cap(config, 0)
+    drafts = ngram_num_drafts(config) if config.speculative_algorithm == "ngram" else 0
+    cap = decode_cap(config, drafts)
     if cap:
         ep.enable_decode_workspace(cap)

@@ -45,6 +45,14 @@ from swaserve.speculative.verify import verify_drafts
 NGRAM_DEFAULT_DRAFTS = 4
 
 
+def ngram_num_drafts(config) -> int:
+    """The n-gram drafter's K for a config: the flag or the default, within the token budget
+    (a verify chunk is K + 1 tokens). Tensor-parallel workers under expert parallelism size
+    their MoE decode workspace with it, as their rank 0 does (distributed/ep_tp.py)."""
+    k = config.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFTS
+    return min(k, config.max_num_batched_tokens - 1)
+
+
 @dataclass
 class Verified:
     """One step's verify results on the host, per sampling request."""
@@ -72,7 +80,7 @@ class Speculation:
         self.drafter = None
         if algo == "ngram":
             self.drafter = NgramDrafter(config.speculative_ngram_min, config.speculative_ngram_max)
-            self.k = config.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFTS
+            self.k = ngram_num_drafts(config)
         elif algo == "dflash" and dflash is not None:
             self.k = check_num_draft_tokens(config.speculative_num_draft_tokens, dflash.cfg)
         else:

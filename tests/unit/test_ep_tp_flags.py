@@ -27,9 +27,8 @@ def _moe(**kw):
 
 def test_what_is_refused_names_itself():
     EngineConfig(**EP_TP)  # runs now
+    EngineConfig(**EP_TP, speculative_algorithm="ngram")  # test_dp_tp_expert_parallel_spec.py
     for kwargs, flag, why in [
-        (dict(speculative_algorithm="ngram"), "--speculative-algorithm",
-         "is not supported with --enable-expert-parallel and --tensor-parallel-size 2 yet"),
         (dict(speculative_algorithm="dflash"), "--speculative-algorithm",
          "is not supported with --enable-expert-parallel yet"),
         (dict(host_cache_gb=1.0), "--host-cache-gb",
