@@ -4,9 +4,9 @@ attention + expert-parallel MoE on one model shape, the same requests for every 
 Layouts: `tpT` (`-tp T`), `dpD-ep` (`-dp D --enable-expert-parallel`, the decode-only
 workspace cap at its default), `dpD-ep-nocap` (`--moe-decode-max-tokens-per-rank 0`),
 `dpD-tpT` (`-dp D -tp T --enable-expert-parallel`: attention TP inside each data-parallel
-rank, the experts over all D x T; its spec step is recorded as refused while the engine
-refuses speculation with -tp under expert parallelism). Under `tpT` the spec step drafts
-(n-gram; drafting and acceptance on rank 0). Steps (each layout x
+rank, the experts over all D x T). The spec step drafts (n-gram) under every layout; with
+`-tp` rank 0 of each tensor-parallel group drafts and accepts. A layout or step the engine
+refuses is a row with its error. Steps (each layout x
 step in a fresh process under --step-timeout, so a hang or a crash costs one row, never the
 run):
 

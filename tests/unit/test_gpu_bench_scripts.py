@@ -64,11 +64,12 @@ def test_fp8_vs_bf16_tiny(tmp_path, capsys):
 @pytest.mark.slow  # rank processes for each layout x step (~1 min)
 def test_scale_out_tiny(tmp_path, capsys, monkeypatch):
     """benchmarks/scale_out.py on CPU: TP=2, DP=2+EP=2 and DP=2 x TP=2 + EP=4 on a tiny gpt-oss
-    give the first layout's tokens, a refused step is a row with the engine's error, the n-gram
-    step reports committed tokens per verify step for each DP rank (one under plain TP)."""
+    give the first layout's tokens; the n-gram step reports committed tokens per verify step for
+    each DP rank (one under plain TP); a layout the engine refuses is a row with its error."""
     monkeypatch.setenv("OUT", str(tmp_path))
     rc = _script("scale_out").main(
-        ["--tiny", "--layouts", "tp2", "dp2-ep", "dp2-tp2", "--steps", "throughput-8", "spec"]
+        ["--tiny", "--layouts", "tp2", "dp2-ep", "dp2-tp2", "dp3-ep", "--steps", "throughput-8",
+         "spec"]
     )
     assert rc == 0
     _table(capsys.readouterr().out)
@@ -78,12 +79,12 @@ def test_scale_out_tiny(tmp_path, capsys, monkeypatch):
         r = rows["throughput-8", layout]
         assert r["tokens_equal"] is True and r["output_tok_per_s"] > 0, r
     assert rows["throughput-8", "dp2-ep"]["memory"]["ranks_pages_total"][1] > 0
-    # speculation under -tp with expert parallelism: refused by the engine, recorded as a row
-    assert "not supported" in rows["spec", "dp2-tp2"]["error"]
-    for layout, ranks in (("tp2", {"0"}), ("dp2-ep", {"0", "1"})):
+    for layout, ranks in (("tp2", {"0"}), ("dp2-ep", {"0", "1"}), ("dp2-tp2", {"0", "1"})):
         spec = rows["spec", layout]["spec_per_rank"]
         assert set(spec) == ranks, (layout, spec)
         assert all(v["verify_steps"] > 0 and v["tokens_per_verify"] > 1 for v in spec.values())
+    # 3 ranks do not divide 4 experts: the engine's error at start is the row
+    assert "must divide the model's experts" in rows["throughput-8", "dp3-ep"]["error"]
 
 
 def test_pd_transfer_tiny(tmp_path, capsys, monkeypatch):
