@@ -223,13 +223,9 @@ class EngineConfig:
                       "experts are spread over)")
         # -tp T: attention tensor-parallel inside each data-parallel rank, the experts over all
         # D x T processes (distributed/ep_tp.py); whether D x T divides the experts is checked
-        # with the model. Its ranks over several nodes are not built (the T processes of a
-        # rank on one node, the EP groups of its workers across them): refused.
-        tp = self.tensor_parallel_size
-        if tp > 1 and self.nnodes > 1:
-            raise bad("nnodes", f"with --enable-expert-parallel and --tensor-parallel-size {tp} "
-                      "is not supported yet (its processes on one machine; over machines give "
-                      "--tensor-parallel-size 1)")
+        # with the model. With --nnodes the T processes of a rank stay on its node (their
+        # rendezvous is local) and the expert-parallel groups of each tensor-parallel index span
+        # the nodes through node 0's store.
         # N-gram speculation runs per rank (each drafts for its own requests; verify forwards
         # join the MoE exchange like any forward). With -tp inside the ranks, rank 0 of each
         # drafts and accepts, its workers forward the verify chunks, and they size the decode

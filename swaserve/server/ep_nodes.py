@@ -79,8 +79,10 @@ def run_node(config: EngineConfig, folder: Path, log_level: str) -> int:
             in_addr, out_addr = json.loads(store.get(IPC_KEY.format(rank)))
             ep = {"rank": rank, "size": size, "host": host, "port": port,
                   "node": config.node_rank}  # fmt: skip
+            # on CPU every rank process of this node (cores and their workers) shares its cores
             procs[rank] = start_core(replica_config(config, rank), folder, in_addr, out_addr,
-                                     log_level, cpu_share=len(ranks), expert_parallel=ep)
+                                     log_level, cpu_share=len(ranks) * config.tensor_parallel_size,
+                                     expert_parallel=ep)  # fmt: skip
             log.info("engine core process %d is loading %s (dp rank %d of %d, node %d)",
                      procs[rank].pid, config.model, rank, size, config.node_rank)
     except BaseException:

@@ -3,7 +3,8 @@
 and `--node-rank 1` (rank 1's engine core only, its pipes to node 0's frontend over TCP), on a
 tiny random Qwen3-MoE (token ids in and out). Concurrent requests of the official client, on
 both ranks, get one process's greedy tokens; node 0 stopping stops node 1 cleanly; a killed node
-1 takes node 0's server down within seconds with an error naming the remote rank."""
+1 takes node 0's server down within seconds with an error naming the remote rank. With `-tp 2`
+each rank is two processes of its node, and the tokens are the same."""
 
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ def moe_folder(tmp_path_factory):
     return folder
 
 
-def _start_pair(folder, tmp_path) -> tuple[RunningServer, subprocess.Popen]:
+def _start_pair(folder, tmp_path, *extra: str) -> tuple[RunningServer, subprocess.Popen]:
     addr = f"127.0.0.1:{free_port()}"
-    common = ["--model", str(folder), *FLAGS, "--dist-init-addr", addr]
+    common = ["--model", str(folder), *FLAGS, *extra, "--dist-init-addr", addr]
     log = open(tmp_path / "node1.log", "w")  # noqa: SIM115 (the process owns it)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     # its own session: killing the group is the whole machine going away (launcher and core)
@@ -77,6 +78,26 @@ def test_two_nodes_serve_with_one_process_tokens(moe_folder, tmp_path):
         assert [r["dp_rank"] for r in mem["ranks"]] == [0, 1]
         assert all(r["pages_total"] > 0 for r in mem["ranks"])
         assert node1.poll() is None  # node 1 serves as long as node 0 does
+        node0.stop()
+        assert node0.proc.returncode == 0, node0.log()[-2000:]
+        assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()[-2000:]
+    finally:
+        _stop_pair(node0, node1)
+
+
+def test_two_nodes_of_tensor_parallel_ranks(moe_folder, tmp_path):
+    """`-tp 2` too: each node runs its rank's core and tensor-parallel worker (their rendezvous
+    local to the node), the experts over all four processes, each index's expert-parallel
+    group across the nodes through node 0's store."""
+    prompts = random_prompts(128, [23, 9, 35], seed=8)
+    lens = [12, 5, 20]
+    want = offline_greedy(moe_folder, prompts, lens, device="cpu", dtype="float32", page_size=4,
+                          max_num_batched_tokens=16, kv_cache_gb=0.01)  # fmt: skip
+    node0, node1 = _start_pair(moe_folder, tmp_path, "-tp", "2")
+    try:
+        assert concurrent_token_ids(node0, str(moe_folder), prompts, lens) == want
+        mem = httpx.get(node0.base_url + "/memory", timeout=10).json()
+        assert [r["dp_rank"] for r in mem["ranks"]] == [0, 1]
         node0.stop()
         assert node0.proc.returncode == 0, node0.log()[-2000:]
         assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()[-2000:]

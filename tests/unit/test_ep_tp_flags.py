@@ -4,6 +4,7 @@ rank process exists; each rank's place (its GPUs, its local rendezvous) and its 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -33,8 +34,8 @@ def test_what_is_refused_names_itself():
          "is not supported with --enable-expert-parallel yet"),
         (dict(host_cache_gb=1.0), "--host-cache-gb",
          "is not supported with --tensor-parallel-size 2 yet"),
-        (dict(nnodes=2, dist_init_addr="127.0.0.1:1234"), "--nnodes",
-         "with --enable-expert-parallel and --tensor-parallel-size 2 is not supported yet"),
+        (dict(nnodes=3, dist_init_addr="127.0.0.1:1234"), "--nnodes",
+         r"must be >= 1 and divide --data-parallel-size \(2\)"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=rf"^invalid {flag} .*{why}"):
             EngineConfig(**EP_TP, **kwargs)
@@ -85,3 +86,8 @@ def test_rank_devices_and_local_rendezvous(monkeypatch):
         (2, 1, None)
     }
     assert not any(r.enable_expert_parallel for r in reps)
+    # over two nodes (tests/e2e/test_two_node_ep_server.py): each node's ranks from cuda:0
+    two = dataclasses.replace(cfg, nnodes=2, node_rank=1)
+    two.__post_init__()  # accepted: the T processes of a rank stay on its node
+    assert [replica_config(two, i).device for i in (2, 3)] == ["cuda:0", "cuda:2"]
+    assert {replica_config(two, i).dist_init_addr for i in range(4)} == {None}
