@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 # wheel name = import name, one per line
 MODULES="fastapi=fastapi starlette=starlette annotated-doc=annotated_doc pydantic=pydantic
 pydantic_core=pydantic_core annotated-types=annotated_types typing-inspection=typing_inspection
-uvicorn=uvicorn h11=h11 click=click pyzmq=zmq prometheus_client=prometheus_client anyio=anyio
+uvicorn=uvicorn h11=h11 httptools=httptools click=click pyzmq=zmq prometheus_client=prometheus_client anyio=anyio
 sniffio=sniffio httpx=httpx httpcore=httpcore idna=idna certifi=certifi Jinja2=jinja2
 MarkupSafe=markupsafe typing_extensions=typing_extensions opentelemetry-api=opentelemetry"
 case "${1:-}" in
@@ -50,7 +50,7 @@ install)
             --target "$target" "${missing[@]}" >&2
         printf 'installed %s\n' "${missing[@]##*/}" >&2
     fi
-    check="import fastapi, uvicorn, pydantic, zmq, httpx, prometheus_client, jinja2, opentelemetry"
+    check="import fastapi, uvicorn, httptools, pydantic, zmq, httpx, prometheus_client, jinja2, opentelemetry"
     if ! PYTHONPATH=$target python3 -c "$check" 2>/dev/null; then
         # pydantic wants a newer typing_extensions than the device's: this one goes first
         python3 -m pip install -q --no-index --no-deps --disable-pip-version-check \

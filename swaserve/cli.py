@@ -133,6 +133,12 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-n", type=int, default=16,
                    help="most samples (n) per request (default: %(default)s)")
+    g.add_argument(
+        "--stream-interval", type=int, default=1, metavar="N",
+        help="streaming: send a sample's tokens once N are new (its first token and its end "
+        "at once); larger N costs the frontend less per token at many streams (default: "
+        "%(default)s)",
+    )
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and the engine core (default: %(default)s)")
@@ -143,12 +149,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_n < 1:
         raise ValueError("--max-n must be >= 1")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be >= 1")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
     server_args = ServerArgs(
         host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
         log_level=args.log_level, served_model_name=args.served_model_name,
-        playground=not args.disable_playground,
+        playground=not args.disable_playground, stream_interval=args.stream_interval,
     )
     config = EngineConfig(**engine_kwargs(args))
     if config.disaggregation_mode:  # a missing transfer library fails now, not after loading

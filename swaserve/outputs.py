@@ -47,6 +47,39 @@ class RequestOutput:
         return self.outputs[0].token_ids
 
 
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One streaming delta of a request from two consecutive ones (`b` after `a`): each
+    sample's text, token ids and logprobs joined, the later finish, prompt logprobs from the
+    one that has them. What a stream that fell behind sends as one chunk (server/app.py)."""
+    samples = {co.index: co for co in a.outputs}
+    for co in b.outputs:
+        first = samples.get(co.index)
+        if first is None:
+            samples[co.index] = co
+            continue
+        logprobs = first.logprobs
+        if co.logprobs is not None:
+            logprobs = co.logprobs if logprobs is None else logprobs + co.logprobs
+        samples[co.index] = CompletionOutput(
+            index=co.index,
+            text=first.text + co.text,
+            token_ids=first.token_ids + co.token_ids,
+            finish_reason=co.finish_reason or first.finish_reason,
+            stop_reason=co.stop_reason if co.finish_reason else first.stop_reason,
+            logprobs=logprobs,
+        )
+    return RequestOutput(
+        request_id=b.request_id,
+        prompt=b.prompt,
+        prompt_token_ids=b.prompt_token_ids,
+        outputs=sorted(samples.values(), key=lambda co: co.index),
+        num_cached_tokens=max(a.num_cached_tokens, b.num_cached_tokens),
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        finished=b.finished,
+        spec_decoding=b.spec_decoding if b.spec_decoding is not None else a.spec_decoding,
+    )
+
+
 @dataclass
 class EngineCoreOutput:
     """One request's news from one core step. Plain data: it crosses the IPC boundary as msgpack.

@@ -115,9 +115,14 @@ class _RequestState:
 class OutputProcessor:
     """Detokenizes, checks stop strings and builds RequestOutputs for all live requests."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
         # A HF fast tokenizer, a raw `tokenizers.Tokenizer`, or None (token ids only).
         self.tokenizer = tokenizer
+        # Stream mode: a sample's delta waits until it has this many new tokens (its first
+        # token, and its finish, go at once): vLLM's and SGLang's --stream-interval.
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self._requests: dict[str, _RequestState] = {}
         # Only unfinished children are here; outputs for other ids are stale and ignored.
         self._core_to_child: dict[str, tuple[_RequestState, _Child]] = {}
@@ -289,7 +294,7 @@ class OutputProcessor:
             return None
         prompt_logprobs = state.prompt_logprobs
         if state.stream:
-            deltas = [self._delta(c, state.holdback) for c in state.children]
+            deltas = [self._delta(c, state.holdback, self.stream_interval) for c in state.children]
             outs = [co for co in deltas if co is not None]
             if state.prompt_logprobs_sent:
                 prompt_logprobs = None
@@ -325,10 +330,18 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def _delta(child: _Child, holdback: int) -> CompletionOutput | None:
-        """What is new in a child since its last delta; None when nothing is."""
-        text = child.visible_text(holdback)
+    def _delta(child: _Child, holdback: int, interval: int = 1) -> CompletionOutput | None:
+        """What is new in a child since its last delta; None when nothing is, or when fewer
+        than `interval` tokens are and the child has sent before and is not finishing."""
         new_finish = child.finished and not child.sent_finish
+        if (
+            interval > 1
+            and not new_finish
+            and child.sent_tokens
+            and len(child.token_ids) - child.sent_tokens < interval
+        ):
+            return None
+        text = child.visible_text(holdback)
         if (
             len(text) == child.sent_text
             and len(child.token_ids) == child.sent_tokens

@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +38,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swaserve.engine.limits import ContextLimit, PromptError, check_prompt, check_token_ids
-from swaserve.outputs import RequestOutput
+from swaserve.outputs import RequestOutput, merge_deltas
 from swaserve.sampling.params import SamplingParams
 from swaserve.server import protocol as P
 from swaserve.server.dp_client import DPClient
@@ -467,24 +467,46 @@ async def _events(
     state: ServerState, queue: asyncio.Queue, rids: list[str]
 ) -> AsyncIterator[tuple[str, RequestOutput] | dict]:
     """Yields (request id, delta RequestOutput) until every request finished; an error dict
-    (SSE error event) when one fails. Aborts the unfinished ones when closed early."""
+    (SSE error event) when one fails. Aborts the unfinished ones when closed early.
+
+    A stream that fell behind (its queue holds several deltas when it is resumed) sends what
+    waits as one delta per request (`_coalesce`): one SSE chunk and one socket write for
+    several tokens, so the frontend's work per token shrinks as its load grows, where one
+    chunk per token would fall further behind and deliver them in bursts anyway."""
     done: set[str] = set()
     try:
         while len(done) < len(rids):
-            rid, item = await queue.get()
-            if isinstance(item, RequestFailed):
-                yield P.error_body(
-                    item.message,
-                    "server_error" if item.status >= 500 else "invalid_request_error",
-                    code=item.status,
-                )
-                return
-            if item.finished:
-                done.add(rid)
-            yield rid, item
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            for rid, item in _coalesce(items):
+                if isinstance(item, RequestFailed):
+                    yield P.error_body(
+                        item.message,
+                        "server_error" if item.status >= 500 else "invalid_request_error",
+                        code=item.status,
+                    )
+                    return
+                if item.finished:
+                    done.add(rid)
+                yield rid, item
     finally:
         for rid in rids:
             state.client.abort(rid)
+
+
+def _coalesce(items: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Queued (request id, delta) items as one merged delta per request, in order of first
+    appearance; a failure ends them (what follows it is not sent)."""
+    merged: dict[str, RequestOutput] = {}
+    for rid, item in items:
+        if isinstance(item, RequestFailed):
+            yield from merged.items()
+            yield rid, item
+            return
+        prev = merged.get(rid)
+        merged[rid] = item if prev is None else merge_deltas(prev, item)
+    yield from merged.items()
 
 
 # ---- /v1/completions ------------------------------------------------------------------------

@@ -134,9 +134,15 @@ class CoreClient:
     """Frontend side of the IPC: add/abort requests, route outputs to per-request queues."""
 
     def __init__(
-        self, tokenizer: Any, in_addr: str, out_addr: str, max_queue: int, metrics: Any = None
+        self,
+        tokenizer: Any,
+        in_addr: str,
+        out_addr: str,
+        max_queue: int,
+        metrics: Any = None,
+        stream_interval: int = 1,
     ) -> None:
-        self.processor = OutputProcessor(tokenizer)
+        self.processor = OutputProcessor(tokenizer, stream_interval)
         self.metrics = metrics
         self.max_queue = max_queue
         # core requests: max_num_seqs + max_queue, once the core says its max_num_seqs (its

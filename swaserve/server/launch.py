@@ -62,6 +62,7 @@ class ServerArgs:
     log_level: str = "info"
     served_model_name: str | None = None  # None: the --model value
     playground: bool = True  # the page at / (--disable-playground turns it off)
+    stream_interval: int = 1  # streamed deltas of at least this many tokens (OutputProcessor)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -237,7 +238,7 @@ async def _main(
         for suffix in ([""] if dp == 1 else [str(i) for i in here])
     ] + [remote_pipes(config) for _ in range(here.stop, dp)]
     clients = [
-        CoreClient(tokenizer, a_in, a_out, config.max_queue, m)
+        CoreClient(tokenizer, a_in, a_out, config.max_queue, m, args.stream_interval)
         for (a_in, a_out), m in zip(addrs, per_rank)
     ]
     client: Any = clients[0] if dp == 1 else DPClient(clients)

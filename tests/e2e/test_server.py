@@ -1026,3 +1026,25 @@ def test_served_model_name(tiny_server_factory, tiny_model_folder):
     r = post(srv, "/completions", {"model": "other", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert "serving tiny-test on http://" in srv.log()
+
+
+def test_stream_interval_sends_tokens_in_groups(tiny_server_factory):
+    """`--stream-interval 3`: a streamed sample's first token goes at once, then deltas of
+    three tokens, the rest with its finish; what arrives equals the unstreamed completion."""
+    srv = tiny_server_factory("--stream-interval", "3")
+    model = httpx.get(srv.base_url + "/models").json()["data"][0]["id"]
+    c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
+    kw = dict(model=model, prompt="Once upon", max_tokens=11, temperature=0, logprobs=1,
+              extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    whole = c.completions.create(**kw).choices[0]
+    chunks = [ch.choices[0] for ch in c.completions.create(stream=True, **kw) if ch.choices]
+    sizes = [len(ch.logprobs.tokens) for ch in chunks]
+    # deltas of 1, 3, 3, 3, 1 tokens; a stream that fell behind merges what waits (_coalesce),
+    # so a chunk may hold more, never fewer
+    assert sum(sizes) == 11 and all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
+    assert "".join(ch.text for ch in chunks) == whole.text
+    assert [t for ch in chunks for t in extra(ch, "token_ids")] == extra(whole, "token_ids")
+    assert [ch.finish_reason for ch in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    from swaserve.cli import main as cli_main
+
+    assert cli_main(["serve", "--stream-interval", "0"]) == 2  # refused before anything starts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -22,7 +24,7 @@ from swaserve.engine.output_processor import (
     find_stop_string,
     make_core_request_ids,
 )
-from swaserve.outputs import EngineCoreOutput, Logprob
+from swaserve.outputs import EngineCoreOutput, Logprob, merge_deltas
 from swaserve.sampling.params import SamplingParams
 
 SPECIALS = ["<s>", "</s>", "<|im_end|>"]
@@ -381,7 +383,9 @@ def test_stream_deltas_concatenate_to_cumulative(name, gens, sizes, stop, includ
     params = sp(n=n, stop=stop, include_stop_str_in_output=include, logprobs=1)
     prompt = encode(tok, "Q:")
     procs = {mode: OutputProcessor(tok) for mode in ("stream", "cum", "final")}
+    procs["stream3"] = OutputProcessor(tok, stream_interval=3)  # --stream-interval 3
     procs["stream"].add_request("r", "Q:", prompt, params, core_ids, stream=True)
+    procs["stream3"].add_request("r", "Q:", prompt, params, core_ids, stream=True)
     procs["cum"].add_request("r", "Q:", prompt, params, core_ids)
     procs["final"].add_request("r", "Q:", prompt, params, core_ids, final_only=True)
 
@@ -425,17 +429,24 @@ def test_stream_deltas_concatenate_to_cumulative(name, gens, sizes, stop, includ
         for c in ro.outputs:
             assert final.outputs[c.index].text.startswith(c.text)
             assert "\ufffd" not in c.text
-    stream = results["stream"]
-    assert stream[-1].finished and sum(ro.finished for ro in stream) == 1
-    for i, fc in enumerate(final.outputs):
-        parts = [c for ro in stream for c in ro.outputs if c.index == i]
-        assert "".join(c.text for c in parts) == fc.text
-        assert [t for c in parts for t in c.token_ids] == fc.token_ids
-        assert [lp for c in parts for lp in c.logprobs] == fc.logprobs
+    for mode in ("stream", "stream3"):
+        stream = results[mode]
+        assert stream[-1].finished and sum(ro.finished for ro in stream) == 1
+        # the deltas merged as a stream that fell behind merges them (server/app.py)
+        merged = functools.reduce(merge_deltas, stream)
+        assert merged.finished and merged.outputs == final.outputs
+        for i, fc in enumerate(final.outputs):
+            parts = [c for ro in stream for c in ro.outputs if c.index == i]
+            assert "".join(c.text for c in parts) == fc.text
+            assert [t for c in parts for t in c.token_ids] == fc.token_ids
+            assert [lp for c in parts for lp in c.logprobs] == fc.logprobs
+            assert parts[-1].finish_reason == fc.finish_reason
+            assert parts[-1].stop_reason == fc.stop_reason
+            assert all(c.finish_reason is None for c in parts[:-1])
+            if mode == "stream3":  # after the first, a delta waits for 3 tokens or the end
+                assert all(len(c.token_ids) >= 3 for c in parts[1:-1]), parts
+    for fc in final.outputs:
         assert [lp.token_id for lp in fc.logprobs] == fc.token_ids
-        assert parts[-1].finish_reason == fc.finish_reason
-        assert parts[-1].stop_reason == fc.stop_reason
-        assert all(c.finish_reason is None for c in parts[:-1])
         event(f"finish_reason={fc.finish_reason}")
         # A stop string ends the text (include) or is cut off; no other one got through.
         if fc.finish_reason == "stop":
