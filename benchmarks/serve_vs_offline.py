@@ -10,7 +10,10 @@ each engine in a fresh process on an empty GPU:
   offline-C     the same with max_num_seqs = C: the server's concurrency, so the gap to
                 `serve` is the HTTP path's cost alone
   serve         `swaserve serve` (same model, same engine defaults) loaded by `swaserve bench
-                serve --max-concurrency C`; its output tok/s, median TTFT and inter-token latency
+                serve --max-concurrency C`; its output tok/s, median TTFT, inter-token latency
+                percentiles and the frontend process's CPU time per output token (from
+                /proc: what decides whether streams keep up at C); one row per
+                `--stream-intervals` value (`serve-siN` for N > 1)
 
 Dummy bf16 weights of a config under swaserve/configs (no tokenizer: outputs stream as token
 counts). The server needs fastapi, uvicorn, pydantic and pyzmq, which the GPU machine lacks:
@@ -20,7 +23,7 @@ under $OUT (default ./bench_out).
 Usage (repo root):
   python3 benchmarks/serve_vs_offline.py [--model llama-3.1-8b] [--num-prompts 1000]
       [--input-len 400] [--output-len 400] [--concurrency 256] [--rows offline offline-C serve]
-      [--device cuda|cpu]
+      [--stream-intervals 1 4] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -87,13 +90,20 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
 
 
-def serve_row(args: argparse.Namespace) -> dict:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve_row(args: argparse.Namespace, stream_interval: int = 1) -> dict:
     """The server in a subprocess, `bench serve` against it, the server stopped."""
     url = f"http://127.0.0.1:{args.port}"
-    log = open(OUT / "serve_vs_offline_server.log", "w")
+    log = open(OUT / f"serve_vs_offline_server_si{stream_interval}.log", "w")
     cmd = [sys.executable, "-m", "swaserve.cli", "serve", "--model", str(args.folder),
            "--load-format", "dummy", "--dtype", args.dtype, "--device", args.device,
-           "--port", str(args.port), "--seed", "0"]  # fmt: skip
+           "--port", str(args.port), "--seed", "0",
+           "--stream-interval", str(stream_interval)]  # fmt: skip
     t = time.perf_counter()
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
@@ -109,8 +119,10 @@ def serve_row(args: argparse.Namespace) -> dict:
         warm[warm.index("--num-prompts") + 1] = "8"
         warm[warm.index("--result-file") + 1] = str(OUT / "serve_vs_offline_warm.json")
         subprocess.run(warm, check=True, capture_output=True, timeout=args.timeout, cwd=REPO)
+        cpu0 = _cpu_seconds(server.pid)  # the frontend (the engine cores are its children)
         run = subprocess.run(bench, capture_output=True, text=True, timeout=args.timeout,
                              cwd=REPO)  # fmt: skip
+        frontend_cpu_s = _cpu_seconds(server.pid) - cpu0
         (OUT / "serve_vs_offline_bench.log").write_text(run.stdout + run.stderr)
         if run.returncode != 0:
             raise RuntimeError(f"bench serve failed ({run.returncode}): {run.stderr[-2000:]}")
@@ -126,6 +138,9 @@ def serve_row(args: argparse.Namespace) -> dict:
     return {"init_s": round(init_s, 1), "elapsed_s": round(s["duration_s"], 2),
             "output_tok_per_s": round(s["output_throughput"], 1),
             "median_ttft_ms": s.get("median_ttft_ms"), "median_itl_ms": s.get("median_itl_ms"),
+            "p90_itl_ms": s.get("p90_itl_ms"), "p99_itl_ms": s.get("p99_itl_ms"),
+            "stream_interval": stream_interval, "frontend_cpu_s": round(frontend_cpu_s, 2),
+            "frontend_us_per_token": round(frontend_cpu_s / s["total_output_tokens"] * 1e6, 1),
             "max_concurrent_requests": s["max_concurrent_requests"]}  # fmt: skip
 
 
@@ -139,6 +154,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--rows", nargs="+", default=["offline", "offline-C", "serve"],
                     choices=["offline", "offline-C", "serve"])  # fmt: skip
+    ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1],
+                    help="a serve row for each `--stream-interval` value")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--port", type=int, default=8011)
@@ -160,14 +177,18 @@ def main() -> None:
             f.write(json.dumps({"prompt": ids, "max_tokens": args.output_len}) + "\n")
     jsonl = OUT / "serve_vs_offline_rows.jsonl"
     rows: dict[str, dict] = {}
-    for name in args.rows:
+    names = [n for row in args.rows for n in (
+        [f"serve-si{i}" if i > 1 else "serve" for i in args.stream_intervals]
+        if row == "serve" else [row])]  # fmt: skip
+    for name in names:
         started = time.perf_counter()
         base = {"row": name, "model": args.model, "requests": args.num_prompts,
                 "input_len": args.input_len, "output_len": args.output_len,
                 "concurrency": args.concurrency}  # fmt: skip
         try:
-            if name == "serve":
-                base.update(serve_row(args))
+            if name.startswith("serve"):
+                base.update(serve_row(args, int(name.removeprefix("serve-si") or 1)
+                                      if name != "serve" else 1))  # fmt: skip
             else:
                 cmd = [sys.executable, __file__, "--side", name, "--dataset", str(args.dataset),
                        "--model", args.model, "--concurrency", str(args.concurrency),
@@ -184,15 +205,19 @@ def main() -> None:
     print(f"\n{args.num_prompts} requests x ({args.input_len} + {args.output_len}) tokens, "
           f"{args.model} (dummy {args.dtype}), concurrency {args.concurrency} for the server")
     print("| row | output tok/s | vs offline | elapsed s | init s | median TTFT ms "
-          "| median ITL ms | note |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| ITL ms p50 / p90 / p99 | frontend us/token | note |")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
     for name, r in rows.items():
         v = r.get("output_tok_per_s")
         ratio = f"{v / ref:.2f}x" if v and ref else "-"
-        ttft, itl = r.get("median_ttft_ms"), r.get("median_itl_ms")
+        itl = " / ".join(ms(r.get(k)) for k in ("median_itl_ms", "p90_itl_ms", "p99_itl_ms"))
         print(f"| {name} | {v or '-'} | {ratio} | {r.get('elapsed_s', '-')} "
-              f"| {r.get('init_s', '-')} | {'-' if ttft is None else round(ttft, 1)} "
-              f"| {'-' if itl is None else round(itl, 1)} | {r.get('error', '')[:80]} |")
+              f"| {r.get('init_s', '-')} | {ms(r.get('median_ttft_ms'))} | {itl} "
+              f"| {r.get('frontend_us_per_token', '-')} | {r.get('error', '')[:80]} |")
 
 
 if __name__ == "__main__":
