@@ -33,7 +33,9 @@ step fused_moe 150 python3 benchmarks/fused_moe.py
 step gemv 300 python3 benchmarks/gemv_bench.py --rows 1 2 4 8 16
 # the server's dependencies: `bash scripts/server_wheels_for_device.sh pack` here, carry
 # .devcarry/srv, then eval "$(bash scripts/server_wheels_for_device.sh install /root/srvpy)"
-step serve_vs_offline 600 python3 benchmarks/serve_vs_offline.py
+# SVO_ARGS: its flags, e.g. "--rows offline serve --stream-intervals 1 4"
+# shellcheck disable=SC2086  # word splitting of SVO_ARGS is intended
+step serve_vs_offline 600 python3 benchmarks/serve_vs_offline.py ${SVO_ARGS:-}
 # NIXL importable: `bash scripts/nixl_for_device.sh pack` here, carry .devcarry/nixl, then
 # eval "$(bash scripts/nixl_for_device.sh install /root/nixl)"
 step pd_transfer 300 python3 benchmarks/pd_transfer.py
