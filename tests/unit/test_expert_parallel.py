@@ -418,7 +418,7 @@ def test_bad_flags_fail_at_start(folders):
     for kwargs, flag in [
         (dict(speculative_algorithm="dflash"), "--speculative-algorithm"),
         (dict(moe_decode_max_tokens_per_rank=-1), "--moe-decode-max-tokens-per-rank"),
-        (dict(tensor_parallel_size=2, nnodes=2, dist_init_addr="127.0.0.1:1"), "--nnodes"),
+        (dict(nnodes=3, dist_init_addr="127.0.0.1:1"), "--nnodes"),  # 3 does not divide -dp 2
     ]:
         with pytest.raises(ValueError, match=rf"^invalid {flag} "):
             EngineConfig(**EP, **kwargs)
