@@ -34,6 +34,8 @@ Split-KV (flash-decoding): with SPLIT_KV each program takes a contiguous share o
 key tiles and writes an unnormalised partial (acc, m, l) per row; `_reduce_splits` merges them
 (and adds the sink term once). The split count, chosen by `choose_num_splits`, is the grid's
 third dimension and a runtime value in both kernels, so every count shares one compiled variant.
+Splits past a block's last key tile return at once, and split 0 writes how many hold keys, so
+the merge reads only those (a CUDA graph's count is sized for its longest context).
 
 FP8 KV (float8_e4m3fn): the pool stores round(x / scale); loads convert to the dot dtype and
 the per-layer scales are folded into the score scale (k_scale) and the output (v_scale). With
@@ -474,6 +476,7 @@ def _paged_attn_kernel(
     sinks_ptr,
     part_acc_ptr,  # [T, H, splits, D_PAD] float32 (split path only)
     part_ml_ptr,  # [T, H, splits, 2] float32: running max (log2), denominator
+    part_n_ptr,  # [T, H] int32: the splits holding keys (split 0 writes it)
     k_new_ptr,  # [T, Hkv, D] the step's own K/V (FRESH_NEW only)
     v_new_ptr,
     num_seqs,
@@ -533,6 +536,29 @@ def _paged_attn_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
 
+    first = ctx + q_block * BLOCK_Q
+    last = tl.minimum(first + BLOCK_Q, seq_len) - 1
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+    tile_lo = lo // BLOCK_N
+    tile_hi = last // BLOCK_N + 1
+    used = 1  # splits holding keys
+    if SPLIT_KV:
+        per_split = tl.maximum(tl.cdiv(tile_hi - tile_lo, tl.num_programs(2)), 1)
+        used = tl.maximum(tl.cdiv(tile_hi - tile_lo, per_split), 1)
+        # A split past the block's last tile returns before any load or store: the merge
+        # reads only the first `used` partials of a row. The split count is fixed by the
+        # longest context a CUDA graph serves (64 splits of a 4-8k window), so at short
+        # contexts most programs land here.
+        if split >= used:
+            return
+        t_begin = tile_lo + split * per_split
+        t_end = tl.minimum(t_begin + per_split, tile_hi)
+    else:
+        t_begin = tile_lo
+        t_end = tile_hi
+
     rows = tl.arange(0, BLOCK_M)
     qi = q_block * BLOCK_Q + rows // G_PAD  # query index within the request
     hg = rows % G_PAD
@@ -550,21 +576,6 @@ def _paged_attn_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
     qpos = ctx + qi
-
-    first = ctx + q_block * BLOCK_Q
-    last = tl.minimum(first + BLOCK_Q, seq_len) - 1
-    lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(first - window + 1, 0)
-    tile_lo = lo // BLOCK_N
-    tile_hi = last // BLOCK_N + 1
-    if SPLIT_KV:
-        per_split = tl.cdiv(tile_hi - tile_lo, tl.num_programs(2))
-        t_begin = tile_lo + split * per_split
-        t_end = tl.minimum(t_begin + per_split, tile_hi)
-    else:
-        t_begin = tile_lo
-        t_end = tile_hi
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -647,12 +658,16 @@ def _paged_attn_kernel(
         )
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
+        if split == 0:
+            n_row = tl.full([BLOCK_M], 0, tl.int32) + used
+            tl.store(part_n_ptr + tok * (tl.num_programs(1) * G) + head, n_row, mask=row_valid)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits(
     part_acc_ptr,
     part_ml_ptr,
+    part_n_ptr,
     sinks_ptr,
     out_ptr,
     stride_ot,
@@ -666,11 +681,15 @@ def _reduce_splits(
 ):
     """Merge the `num_splits` partials of one (token, head) row: out = sum_j acc_j 2^(m_j - M) / L
     with M = max(m_j [, sink]), L = sum_j l_j 2^(m_j - M) [+ 2^(sink - M)]. The splits are read
-    BLOCK_S at a time (the count is a runtime value: one compiled variant for every count)."""
+    BLOCK_S at a time (the count is a runtime value: one compiled variant for every count), and
+    only the `part_n` that hold keys. A row no attention program wrote (a prefill row of a mixed
+    batch's decode launch, rewritten by the prefill launch after this) reads a stale count:
+    clamped to [1, num_splits], so every read stays inside the partials."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = tok * NUM_HEADS + head
     base = row * num_splits
+    used = tl.minimum(tl.maximum(tl.load(part_n_ptr + row), 1), num_splits)
     d = tl.arange(0, D_PAD)
     m_max = tl.full([], -1.0e30, tl.float32)
     if USE_SINKS:
@@ -678,9 +697,9 @@ def _reduce_splits(
         m_max = tl.maximum(m_max, sink)
     # while loops: the interpreter cannot take a runtime scalar argument as a range() bound
     s0 = 0
-    while s0 < num_splits:
+    while s0 < used:
         sp = s0 + tl.arange(0, BLOCK_S)
-        m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sp < num_splits, other=-1.0e30)
+        m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sp < used, other=-1.0e30)
         m_max = tl.maximum(m_max, tl.max(m, 0))
         s0 += BLOCK_S
     denom = tl.zeros([], tl.float32)
@@ -688,9 +707,9 @@ def _reduce_splits(
         denom += tl.exp2(sink - m_max)
     o = tl.zeros([D_PAD], tl.float32)
     s0 = 0
-    while s0 < num_splits:
+    while s0 < used:
         sp = s0 + tl.arange(0, BLOCK_S)
-        valid = sp < num_splits
+        valid = sp < used
         m = tl.load(part_ml_ptr + (base + sp) * 2, mask=valid, other=-1.0e30)
         lsum = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=valid, other=0.0)
         w = tl.where(valid, tl.exp2(m - m_max), 0.0)
@@ -910,8 +929,9 @@ def _launch(
     if num_splits > 1:
         part_acc = torch.empty((t, h, num_splits, d_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((t, h, num_splits, 2), dtype=torch.float32, device=q.device)
+        part_n = torch.empty((t, h), dtype=torch.int32, device=q.device)
     else:
-        part_acc = part_ml = out  # unused
+        part_acc = part_ml = part_n = out  # unused
     grid = (t // cfg.block_q + num_seqs, hkv, num_splits)
     _run(
         _paged_attn_kernel,
@@ -926,6 +946,7 @@ def _launch(
         sinks_arg,
         part_acc,
         part_ml,
+        part_n,
         k_new,
         v_new,
         num_seqs,
@@ -963,6 +984,7 @@ def _launch(
             (t, h),
             part_acc,
             part_ml,
+            part_n,
             sinks_arg,
             out,
             out.stride(0),
