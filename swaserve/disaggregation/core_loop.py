@@ -25,7 +25,7 @@ import zmq
 
 from swaserve.disaggregation import bootstrap as B
 from swaserve.disaggregation.transfer import create_transfer_backend
-from swaserve.server.core_process import CoreLoop, core_stats
+from swaserve.server.core_process import CoreLoop, CorePipes, core_stats
 from swaserve.server.ipc import ABORT, ADD, OUTPUTS, READY, REJECT, SHUTDOWN, decode
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,8 @@ def build_side(core: Any) -> Any:
 
 
 class DisaggCoreLoop(CoreLoop):
-    def __init__(self, core: Any, in_addr: str, out_addr: str) -> None:
-        super().__init__(core, in_addr, out_addr)
+    def __init__(self, core: Any, pipes: CorePipes) -> None:
+        super().__init__(core, pipes)
         self.side = build_side(core)
         self.poller = zmq.Poller()
         self.poller.register(self.inp, zmq.POLLIN)

@@ -19,7 +19,6 @@ core sends `dead` and exits, and the frontend's watchdog takes the server down.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from swaserve.config import EngineConfig
@@ -54,20 +53,20 @@ class EPCoreLoop(CoreLoop):
         while True:
             busy = core.has_unfinished() or ep.any_work
             changed = self.read_inputs(0 if busy else IDLE_POLL_MS)
-            parent_gone = os.getppid() != self.parent
-            if parent_gone and not ep.want_stop:
-                log.warning("the server process is gone; engine core exits")
-            ep.want_stop = ep.want_stop or not self.running or parent_gone
+            gone = self.server_gone()
+            if gone and not ep.want_stop:
+                log.warning("%s; engine core exits", gone)
+            ep.want_stop = ep.want_stop or not self.running or gone is not None
             if not busy:  # a tensor-parallel worker that died while idle: fail now, not later
                 core.check_ranks()
             start = time.monotonic()
             outputs = core.step()
             queue_times = first_scheduled(self.queued, start) if self.queued else []
-            if (outputs or changed or queue_times) and not parent_gone:
+            if (outputs or changed or queue_times) and not gone:
                 wire = [output_to_wire(o) for o in outputs]
                 self.send([OUTPUTS, wire, core_stats(core), queue_times])
             if ep.stopping:
                 break
-        if parent_gone:
+        if gone:
             self.out.close(linger=0)  # nobody will read what is still queued
         ep.group.shutdown()

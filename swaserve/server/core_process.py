@@ -9,11 +9,13 @@ The loop (message kinds in `swaserve.server.ipc`):
         scheduled for the first time (also after adds/aborts while idle)
 
 It never waits on HTTP: outputs go out through a PUSH socket without a high-water mark. It
-exits when told to (`shutdown`), when its parent process is gone (checked every iteration,
-at least once a second), and, after sending `dead` with the traceback, on any error inside a
-step or on a tensor-parallel rank found dead (checked at least once a second while idle; the
-frontend then answers 503 and exits). A ValueError while the core starts (a flag the
-model or the KV pool cannot take) is sent as its one-line message, not a traceback.
+exits when told to (`shutdown`), when the server is gone without a word (its parent process
+gone, or for a core on another node its TCP link to node 0 lost: `CoreLoop.server_gone`,
+checked every iteration, at least once a second), and, after sending `dead` with the
+traceback, on any error inside a step or on a tensor-parallel rank found dead (checked at least
+once a second while idle; the frontend then answers 503 and exits). A ValueError while the
+core starts (a flag the model or the KV pool cannot take) is sent as its one-line message, not
+a traceback. The pipes connect before the model loads (`CorePipes`).
 
 With expert parallelism (`--data-parallel-size D --enable-expert-parallel`) the core is one of
 D ranks that step in lockstep: core_loop_ep.py's loop replaces this one.
@@ -47,6 +49,7 @@ from swaserve.server.ipc import (
     encode,
     output_to_wire,
 )
+from swaserve.server.link_watch import attach
 
 if TYPE_CHECKING:
     from swaserve.engine.core import EngineCore
@@ -87,23 +90,45 @@ def first_scheduled(queued: dict[str, Request], step_start: float) -> list[float
     return times
 
 
-class CoreLoop:
-    def __init__(self, core: EngineCore, in_addr: str, out_addr: str) -> None:
-        self.core = core
+class CorePipes:
+    """The core's two sockets to the frontend, connected first thing, before the model loads:
+    a core on another node (TCP pipes) is then linked to node 0 while it loads, so either side
+    sees the other go from then on (`link`, server/link_watch.py)."""
+
+    def __init__(self, in_addr: str, out_addr: str) -> None:
         self.ctx = zmq.Context()
         self.inp = self.ctx.socket(zmq.PULL)
         self.inp.setsockopt(zmq.RCVHWM, 0)
-        self.inp.connect(in_addr)
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.SNDHWM, 0)
         self.out.setsockopt(zmq.LINGER, 2000)
-        self.out.connect(out_addr)
+        self.link = attach([(self.inp, in_addr), (self.out, out_addr)], bind=False)
+
+    def link_lost(self) -> bool:
+        return self.link is not None and self.link.lost()
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore, pipes: CorePipes) -> None:
+        self.core = core
+        self.pipes = pipes
+        self.ctx, self.inp, self.out = pipes.ctx, pipes.inp, pipes.out
         self.parent = os.getppid()
         self.running = True
         self.queued: dict[str, Request] = {}  # added, not scheduled yet (for queue times)
 
     def send(self, msg: list) -> None:
         self.out.send(encode(msg))
+
+    def server_gone(self) -> str | None:
+        """Why the server is gone without a word, if it is: this process was reparented (the
+        server, or node k's launcher, died) or its link to node 0 was lost. The core then exits
+        (status 0, as nobody is left to be told: node 0 gone is node k's end too)."""
+        if os.getppid() != self.parent:
+            return "the server process is gone"
+        if self.pipes.link_lost():
+            return "the link to node 0's server is lost"
+        return None
 
     def send_ready(self) -> None:
         core = self.core
@@ -129,8 +154,9 @@ class CoreLoop:
             changed = self.read_inputs(0 if busy else IDLE_POLL_MS)
             if not self.running:
                 break
-            if os.getppid() != self.parent:  # reparented: the server died without a word
-                log.warning("the server process is gone; engine core exits")
+            gone = self.server_gone()
+            if gone:
+                log.warning("%s; engine core exits", gone)
                 self.out.close(linger=0)  # nobody will read what is still queued
                 break
             if not busy:  # a tensor-parallel rank that died while idle: fail now, not later
@@ -193,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    loop: CoreLoop | None = None
-    ctx = zmq.Context.instance()
+    pipes = CorePipes(spec["in_addr"], spec["out_addr"])
     try:
         from swaserve.engine.core import EngineCore
 
@@ -212,31 +237,26 @@ def main(argv: list[str] | None = None) -> int:
             core = EngineCore(config, Path(spec["folder"]), server=True, ep=ep)
         except ValueError as e:  # a flag the model or the pool cannot take: one line
             log.error("engine core failed: %s", e)
-            _last_words(None, ctx, spec["out_addr"], str(e))
+            _last_words(pipes, str(e))
             return 1
         loop_class = CoreLoop
         if ep is not None:  # steps in lockstep with the other ranks
             from swaserve.server.core_loop_ep import EPCoreLoop as loop_class
         if config.disaggregation_mode:  # a PD instance: its side of the pair beside the engine
             from swaserve.disaggregation.core_loop import DisaggCoreLoop as loop_class
-        loop = loop_class(core, spec["in_addr"], spec["out_addr"])
-        loop.run()
+        loop_class(core, pipes).run()
         return 0
     except Exception:
         tb = traceback.format_exc()
         log.error("engine core failed:\n%s", tb)
-        _last_words(loop, ctx, spec["out_addr"], tb)
+        _last_words(pipes, tb)
         return 1
 
 
-def _last_words(loop: CoreLoop | None, ctx: zmq.Context, out_addr: str, message: str) -> None:
-    """Sends `dead` with `message` (on the loop's socket, or a new one before the loop)."""
-    out = loop.out if loop is not None else ctx.socket(zmq.PUSH)
-    if loop is None:
-        out.setsockopt(zmq.LINGER, 2000)
-        out.connect(out_addr)
-    out.send(encode([DEAD, message]))
-    out.close(2000)
+def _last_words(pipes: CorePipes, message: str) -> None:
+    """Sends `dead` with `message`."""
+    pipes.out.send(encode([DEAD, message]))
+    pipes.out.close(2000)
 
 if __name__ == "__main__":
     sys.exit(main())

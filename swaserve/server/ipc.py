@@ -1,6 +1,8 @@
 """The frontend's link to the EngineCore process: ZMQ IPC sockets carrying msgpack (no pickle).
 
-Two PUSH/PULL pipes, both bound by the frontend (the core connects):
+Two PUSH/PULL pipes, both bound by the frontend (the core connects); IPC on one machine, TCP for
+a core on another node (`--nnodes`, server/ep_nodes.py), whose link is then watched from both ends
+(server/link_watch.py):
 
     frontend --[add | abort | shutdown]--> core        (`in` pipe)
     frontend <--[ready | outputs | reject | dead]-- core  (`out` pipe)
@@ -42,6 +44,7 @@ from swaserve.engine.engine import child_params
 from swaserve.engine.output_processor import OutputProcessor, make_core_request_ids
 from swaserve.outputs import EngineCoreOutput, Logprob, RequestOutput
 from swaserve.sampling.params import SamplingParams
+from swaserve.server.link_watch import attach
 
 log = logging.getLogger(__name__)
 
@@ -154,12 +157,12 @@ class CoreClient:
         self._send = self._ctx.socket(zmq.PUSH)
         self._send.setsockopt(zmq.SNDHWM, 0)
         self._send.setsockopt(zmq.LINGER, 0)
-        self._send.bind(in_addr)
         self._actx = zmq.asyncio.Context()
         self._recv = self._actx.socket(zmq.PULL)
         self._recv.setsockopt(zmq.RCVHWM, 0)
         self._recv.setsockopt(zmq.LINGER, 0)
-        self._recv.bind(out_addr)
+        # a core on another node (TCP): its link is its liveness (`link_lost`)
+        self.link = attach([(self._send, in_addr), (self._recv, out_addr)], bind=True)
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its (or its HTTP call's) queue
         self._core_to_req: dict[str, str] = {}  # live core ids -> request id
         self._req_to_core: dict[str, list[str]] = {}
@@ -182,9 +185,16 @@ class CoreClient:
             self._recv.getsockopt_string(zmq.LAST_ENDPOINT),
         )
 
+    def link_lost(self) -> bool:
+        """A core on another node whose connection closed or stopped answering heartbeats: it
+        is gone (launch.py's watchdog). Always False for a core of this machine."""
+        return self.link is not None and self.link.lost()
+
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self.link is not None:
+            self.link.close()
         try:
             self._send.send(encode([SHUTDOWN]), zmq.NOBLOCK)
         except zmq.ZMQError:

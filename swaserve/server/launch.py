@@ -17,11 +17,13 @@ whose rendezvous store this process hosts; they step in lockstep (server/core_lo
 `-tp T` each with its T - 1 workers, which join the experts' groups through the same store
 (distributed/ep_tp.py). With
 `--nnodes N` only the first D/N cores run here; the others' pipes are TCP sockets bound here
-and handed to their nodes through the store (server/ep_nodes.py).
+and handed to their nodes through the store (server/ep_nodes.py); such a core whose link is
+lost is dead (server/link_watch.py).
 
-Watchdog: when the core process exits or reports a fatal error, every live request ends with
-an error, new requests get 503, the reason is logged, and the server exits with status 1
-within a few seconds (a hard `os._exit(1)` backs that up at EXIT_DEADLINE_S).
+Watchdog: when the core process exits or reports a fatal error (or, on another node, its link is
+lost), every live request ends with an error, new requests get 503, the reason is logged, and
+the server exits with status 1 within a few seconds (a hard `os._exit(1)` backs that up at
+EXIT_DEADLINE_S).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ log = logging.getLogger("swaserve.server")
 WATCHDOG_PERIOD_S = 0.2
 GRACE_S = 1.0  # new requests get 503 this long before the server stops listening
 EXIT_DEADLINE_S = 8.0  # after the core is found dead, the process is gone by then
+LAST_WORDS_S = 0.2  # a core found gone: its last words may still be on the way
 READY_TIMEOUT_S = 900.0
 
 
@@ -362,10 +365,9 @@ async def _wait_ready(procs: list[subprocess.Popen], clients: list[Any]) -> bool
     (their failures arrive as last words, or as the failure of a core here)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
-        gone = _first_gone(procs, clients)
+        gone = await _gone_settled(procs, clients)
         if gone is not None:
-            await asyncio.sleep(0.2)  # its last words may still be on the way
-            rank, why = _first_gone(procs, clients)
+            rank, why = gone
             where = f" (dp rank {rank})" if len(clients) > 1 else ""
             log.error("engine core failed to start%s: %s", where, why)
             return False
@@ -378,21 +380,37 @@ async def _wait_ready(procs: list[subprocess.Popen], clients: list[Any]) -> bool
 
 
 def _first_gone(procs: list[subprocess.Popen], clients: list[Any]) -> tuple[int, str] | None:
-    """(rank, why) of the first core process that exited or reported a fatal error; one that
-    exited without last words (killed) first: under expert parallelism the others' errors
-    follow from it. `procs` are this node's (the first ranks); a core on another node is gone
-    once its last words came."""
+    """(rank, why) of the first core gone: it reported a fatal error (last words), its process
+    exited, or, on another node, its link was lost; one gone without last words (killed) first:
+    under expert parallelism the others' errors follow from it. `procs` are this node's (the
+    first ranks); the cores past them run on other nodes, len(procs) on each."""
     gone = []
     for rank, c in enumerate(clients):
-        proc = procs[rank] if rank < len(procs) else None
-        code = None if proc is None else proc.poll()
-        if code is not None or c.dead is not None:
-            gone.append((c.dead is not None, rank, c.dead or
-                         f"engine core process {proc.pid} {_exit_reason(code)}"))
+        code = procs[rank].poll() if rank < len(procs) else None
+        if c.dead is not None:
+            gone.append((True, rank, c.dead))
+        elif code is not None:
+            gone.append((False, rank, f"engine core process {procs[rank].pid} "
+                         f"{_exit_reason(code)}"))  # fmt: skip
+        elif rank >= len(procs) and c.link_lost():
+            node = rank // len(procs)
+            gone.append((False, rank, f"lost the link to its engine core on node {node}: its "
+                         "process or its machine is gone, or stopped answering"))  # fmt: skip
     if not gone:
         return None
     _, rank, why = min(gone)
     return rank, why
+
+
+async def _gone_settled(
+    procs: list[subprocess.Popen], clients: list[Any]
+) -> tuple[int, str] | None:
+    """`_first_gone`, asked again LAST_WORDS_S after a first answer: a core's last words may
+    follow its exit or its lost link, and another rank's death may be the cause."""
+    if _first_gone(procs, clients) is None:
+        return None
+    await asyncio.sleep(LAST_WORDS_S)
+    return _first_gone(procs, clients)
 
 
 async def _watchdog(
@@ -402,7 +420,7 @@ async def _watchdog(
     DPClient over all): failing it ends every live request."""
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
-        gone = _first_gone(procs, clients)
+        gone = await _gone_settled(procs, clients)
         if gone is None:
             continue
         rank, reason = gone
