@@ -171,10 +171,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         folder = resolve_folder(config.model)
-        if config.enable_expert_parallel:  # its data-parallel ranks: engine cores
-            from swaserve.server.ep_nodes import run_node as run_ep_node
+        if config.data_parallel_size > 1:  # its data-parallel ranks: engine cores
+            from swaserve.server.nodes import run_node as run_core_node
 
-            return run_ep_node(config, folder, args.log_level)
+            return run_core_node(config, folder, args.log_level)
         from swaserve.distributed.launch import run_node  # its tensor-parallel workers
 
         return run_node(config, folder)

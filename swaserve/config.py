@@ -74,8 +74,8 @@ class EngineConfig:
     # Tensor parallelism (docs/architecture.md, scale-out): one process per rank, rank 0 runs
     # the EngineCore; the others are spawned workers holding their shard of the weights and KV.
     tensor_parallel_size: int = 1
-    # Machines the ranks span: tensor_parallel_size / nnodes ranks on each, or with expert
-    # parallelism data_parallel_size / nnodes data-parallel ranks on each.
+    # Machines the ranks span: with data parallelism data_parallel_size / nnodes data-parallel
+    # ranks on each (replicas or expert-parallel ranks), else tensor_parallel_size / nnodes.
     nnodes: int = 1
     node_rank: int = 0  # this machine's index; node 0 runs the engine(s) and HTTP
     dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: a free local port
@@ -177,17 +177,16 @@ class EngineConfig:
                 raise bad(name, f"is not supported with --tensor-parallel-size {tp} yet")
 
     def _check_nodes(self, bad) -> None:
-        """--nnodes N: the ranks spread evenly over N machines. What spans them: the
-        tensor-parallel ranks of one engine, or with --enable-expert-parallel the D
-        data-parallel ranks; plain replicas (-dp without expert parallelism) do not yet."""
+        """--nnodes N: the ranks spread evenly over N machines. What spans them: with
+        --data-parallel-size D above 1 the D data-parallel ranks (replicas, or expert-parallel
+        ranks), D/N on each node, each with its T tensor-parallel processes on its node
+        (server/nodes.py); else the tensor-parallel ranks of the one engine."""
         n = self.nnodes
-        expert = self.enable_expert_parallel
-        spread, what = (
-            (self.data_parallel_size, "--data-parallel-size")
-            if expert else (self.tensor_parallel_size, "--tensor-parallel-size")
-        )  # fmt: skip
+        dp, tp = self.data_parallel_size, self.tensor_parallel_size
+        spread, what = (dp, "--data-parallel-size") if dp > 1 else (tp, "--tensor-parallel-size")
         if n < 1 or spread % n:
-            raise bad("nnodes", f"must be >= 1 and divide {what} ({spread})")
+            raise bad("nnodes", f"must be >= 1 and divide {what} ({spread}): every node runs "
+                      "as many of those ranks")
         if not 0 <= self.node_rank < n:
             raise bad("node_rank", f"must be in 0..{n - 1} (--nnodes {n})")
         if self.dist_init_addr is not None:
@@ -196,10 +195,6 @@ class EngineConfig:
                 raise bad("dist_init_addr", "must be HOST:PORT")
         elif n > 1:
             raise bad("nnodes", "needs --dist-init-addr HOST:PORT (node 0's address)")
-        if n > 1 and self.data_parallel_size > 1 and not expert:
-            raise bad("nnodes", f"with --data-parallel-size {self.data_parallel_size} is "
-                      "supported with --enable-expert-parallel only (replicas of one machine "
-                      "otherwise)")
 
     def _check_data_parallel(self, bad) -> None:
         """--data-parallel-size D: D full replicas, each a tensor-parallel group of T ranks
@@ -480,12 +475,13 @@ FLAGS: dict[str, FlagInfo] = {
     ),
     "nnodes": FlagInfo(
         "distributed",
-        "machines the ranks span: the tensor-parallel ranks, or with --enable-expert-parallel "
-        "the data-parallel ranks",
+        "machines the ranks span: with -dp D the D data-parallel ranks (replicas, or "
+        "expert-parallel ranks), D/N each, each rank's -tp processes on its node; else the "
+        "tensor-parallel ranks",
     ),
     "node_rank": FlagInfo(
-        "distributed", "this machine's index; node 0 runs the engine and HTTP, the others their "
-        "ranks"
+        "distributed", "this machine's index; node 0 runs HTTP and its ranks, the others only "
+        "their ranks (with -dp their engine cores, else tensor-parallel workers)"
     ),
     "dist_init_addr": FlagInfo(
         "distributed",

@@ -19,10 +19,11 @@ Data-parallel attention + expert-parallel MoE (`--data-parallel-size D --enable-
     ep_engine.py        offline: the Engine's core over the D ranks (rank 0 in-process)
     ep_tp.py            -tp T inside each rank: the experts over D x T, the workers' groups
     (the server's lockstep core loop is swaserve/server/core_loop_ep.py, its ranks on other
-    nodes swaserve/server/ep_nodes.py)
+    nodes swaserve/server/nodes.py)
 
 Data parallelism without experts shared (`-dp D [-tp T]`) needs nothing here beyond TP: D
-replicas, each its own TP group (swaserve/server/launch.py, swaserve/engine/replicas.py).
+replicas, each its own TP group (swaserve/server/launch.py, swaserve/engine/replicas.py; over
+nodes swaserve/server/nodes.py, as expert-parallel ranks).
 
 With `tensor_parallel_size` 1 and no expert parallelism none of this is imported: a single
 process runs as before.

@@ -47,11 +47,6 @@ class DPExpertCore:
         from swaserve.weights.loader import load_hf_config
 
         size = config.data_parallel_size
-        if config.nnodes > 1:  # the offline ranks are this machine's processes
-            raise ValueError(
-                f"--nnodes {config.nnodes} with --enable-expert-parallel is for `swaserve "
-                "serve` (the offline Engine runs its ranks on one machine)"
-            )
         # before any process starts
         check_expert_parallel(load_hf_config(folder), size, config.tensor_parallel_size)
         self.config = config

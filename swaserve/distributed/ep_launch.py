@@ -1,7 +1,7 @@
 """Starting the expert-parallel group of D data-parallel ranks, and naming a rank that died.
 
 Every rank joins one TCPStore: the server's frontend hosts it (launch.py passes its address to
-each core process, and with --nnodes the other nodes' launchers to theirs: server/ep_node.py),
+each core process, and with --nnodes the other nodes' launchers to theirs: server/nodes.py),
 offline the Engine's process hosts it as rank 0 and spawns ranks 1..D-1 (ep_worker.py). Each
 rank writes its node and pid to the store, then joins the groups (`EPGroup`). With -tp T every
 data-parallel rank's T - 1 tensor-parallel workers write theirs too, under their expert-parallel

@@ -60,6 +60,12 @@ class Engine:
                 f"{self.config.model} has no weights (no *.safetensors in {self.folder}); "
                 "for random weights in its shapes use --load-format dummy"
             )
+        dp, nodes = self.config.data_parallel_size, self.config.nnodes
+        if dp > 1 and nodes > 1:  # the offline ranks and replicas are this machine's
+            raise ValueError(
+                f"--nnodes {nodes} with --data-parallel-size {dp} is for `swaserve serve` (the "
+                "offline Engine runs its data-parallel ranks on one machine)"
+            )
         if self.config.enable_expert_parallel:  # D engine cores, one per process, in lockstep
             from swaserve.distributed.ep_engine import DPExpertCore
 

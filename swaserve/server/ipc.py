@@ -1,7 +1,7 @@
 """The frontend's link to the EngineCore process: ZMQ IPC sockets carrying msgpack (no pickle).
 
 Two PUSH/PULL pipes, both bound by the frontend (the core connects); IPC on one machine, TCP for
-a core on another node (`--nnodes`, server/ep_nodes.py), whose link is then watched from both ends
+a core on another node (`--nnodes`, server/nodes.py), whose link is then watched from both ends
 (server/link_watch.py):
 
     frontend --[add | abort | shutdown]--> core        (`in` pipe)

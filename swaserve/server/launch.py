@@ -16,9 +16,9 @@ With `--enable-expert-parallel` (MoE models) the D cores also form one torch.dis
 whose rendezvous store this process hosts; they step in lockstep (server/core_loop_ep.py), with
 `-tp T` each with its T - 1 workers, which join the experts' groups through the same store
 (distributed/ep_tp.py). With
-`--nnodes N` only the first D/N cores run here; the others' pipes are TCP sockets bound here
-and handed to their nodes through the store (server/ep_nodes.py); such a core whose link is
-lost is dead (server/link_watch.py).
+`--nnodes N` (plain replicas or expert-parallel ranks) only the first D/N cores run here; the
+others' pipes are TCP sockets bound here and handed to their nodes through the store this
+process hosts (server/nodes.py); such a core whose link is lost is dead (server/link_watch.py).
 
 Watchdog: when the core process exits or reports a fatal error (or, on another node, its link is
 lost), every live request ends with an error, new requests get 503, the reason is logged, and
@@ -91,20 +91,21 @@ def _exit_reason(code: int) -> str:
 
 def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of data-parallel replica `rank`: one replica of T tensor-parallel ranks, on
-    CUDA from cuda:(local rank x T) (its T ranks: the next T GPUs of this node), with a
-    rendezvous of its own (--dist-init-addr HOST:PORT: HOST:PORT+rank; else a free port), so
-    that no two replicas' groups meet. With expert parallelism the rank's core and its T - 1
-    workers are on one node and meet on a free local port; its place in the expert-parallel
-    group travels beside the config (the core's spec)."""
+    CUDA from cuda:(local rank x T) (its T ranks: the next T GPUs of its node; local: its index
+    among its node's D/N), with a rendezvous of its own (on one machine with --dist-init-addr
+    HOST:PORT: HOST:PORT+rank; else a free local port), so that no two replicas' groups meet.
+    Over nodes, and with expert parallelism (whose store is at HOST:PORT), the replica's core
+    and its T - 1 workers are on one node and meet on a free local port; a rank's place in the
+    expert-parallel group travels beside the config (the core's spec)."""
     dp = config.data_parallel_size
     if dp == 1:
         return config
-    local = rank % (dp // config.nnodes) if config.enable_expert_parallel else rank
+    local = rank % (dp // config.nnodes)
     device, tp = config.device, config.tensor_parallel_size
     if config.torch_device().type == "cuda":
         device = f"cuda:{local * tp}"
     addr = config.dist_init_addr
-    if addr is not None and tp > 1 and not config.enable_expert_parallel:
+    if addr is not None and tp > 1 and config.nnodes == 1 and not config.enable_expert_parallel:
         host, _, port = addr.rpartition(":")
         addr = f"{host}:{int(port) + rank}"
     else:
@@ -227,10 +228,15 @@ async def _main(
 
     from swaserve.server.app import ServerState, build_app
     from swaserve.server.dp_client import DPClient
-    from swaserve.server.ep_nodes import local_ranks, publish_pipes, remote_pipes
     from swaserve.server.ipc import CoreClient
     from swaserve.server.metrics import Metrics
     from swaserve.server.metrics_dp import RankedMetrics
+    from swaserve.server.nodes import (
+        expert_parallel_spec,
+        local_ranks,
+        publish_pipes,
+        remote_pipes,
+    )
 
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
     metrics: Any = Metrics() if dp == 1 else RankedMetrics(dp)
@@ -246,15 +252,14 @@ async def _main(
     ]
     client: Any = clients[0] if dp == 1 else DPClient(clients)
     client.start()
-    store = _expert_parallel_store(config)  # hosted here while the cores live
+    store = _rank_store(config)  # hosted here while the cores live
     for rank in range(here.stop, dp):
         publish_pipes(store, rank, clients[rank].endpoints())
     try:
         for rank in here:
             rconf = replica_config(config, rank)
-            ep = None if store is None else {
-                "rank": rank, "size": dp, "host": store.host, "port": store.port, "node": 0,
-            }  # fmt: skip
+            ep = None if store is None else expert_parallel_spec(config, rank, store.host,
+                                                                 store.port)  # fmt: skip
             a_in, a_out = addrs[rank]
             # on CPU every rank process of this node shares its cores
             proc = start_core(rconf, folder, a_in, a_out, args.log_level,
@@ -316,10 +321,13 @@ async def _main(
         client.close()
 
 
-def _expert_parallel_store(config: EngineConfig) -> Any:
-    """With --enable-expert-parallel: the rendezvous store of the D core processes, hosted by
-    the frontend (--dist-init-addr, else a free local port); None otherwise."""
-    if not config.enable_expert_parallel:
+def _rank_store(config: EngineConfig) -> Any:
+    """The rendezvous store of the D core processes, hosted by the frontend (--dist-init-addr,
+    else a free local port), with --enable-expert-parallel (their group) or --nnodes (the other
+    nodes read their cores' pipes there); None otherwise."""
+    from swaserve.server.nodes import spans_nodes
+
+    if not (config.enable_expert_parallel or spans_nodes(config)):
         return None
     from swaserve.distributed.launch import rendezvous_address
     from swaserve.distributed.parallel_state import open_store

@@ -125,8 +125,8 @@ def test_killed_worker_of_replica_1_is_a_clear_error(pair):
 
 def test_replica_devices_and_rendezvous(monkeypatch):
     """Replica i of -dp D -tp T: cuda:i*T for its rank 0, the next T - 1 GPUs for its workers,
-    a rendezvous of its own (HOST:PORT + i when given); with expert parallelism over nodes, a
-    rank's GPU is its index on its node."""
+    a rendezvous of its own (HOST:PORT + i when given); over nodes, with expert parallelism or
+    without, a rank's GPU is its index on its node and its group meets on a local port."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     cfg = EngineConfig(model="x", device="cuda", data_parallel_size=3, tensor_parallel_size=2,
@@ -144,15 +144,24 @@ def test_replica_devices_and_rendezvous(monkeypatch):
     rep = replica_config(ep, 3)
     assert (rep.device, rep.nnodes, rep.node_rank, rep.dist_init_addr) == ("cuda:1", 1, 0, None)
     assert not rep.enable_expert_parallel and rep.data_parallel_size == 1
+    plain = EngineConfig(model="x", device="cuda", data_parallel_size=4, tensor_parallel_size=2,
+                         nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:29500")  # fmt: skip
+    reps = [replica_config(plain, i) for i in (2, 3)]  # node 1's replicas
+    assert [(r.device, r.dist_init_addr, r.nnodes, r.node_rank) for r in reps] == [
+        ("cuda:0", None, 1, 0), ("cuda:2", None, 1, 0),
+    ]  # fmt: skip
+    assert [worker_device(reps[1], rank) for rank in (0, 1)] == [
+        torch.device("cuda", 2), torch.device("cuda", 3),
+    ]  # fmt: skip
 
 
 def test_flags_still_refused_name_themselves():
     EngineConfig(data_parallel_size=2, tensor_parallel_size=2)  # runs now
     # with expert parallelism too (tests/unit/test_ep_tp_flags.py: what it still refuses)
     EngineConfig(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match=r"^invalid --nnodes 2 .*--enable-expert-parallel only"):
-        EngineConfig(data_parallel_size=2, tensor_parallel_size=2, nnodes=2,
-                     dist_init_addr="127.0.0.1:1234")  # fmt: skip
+    # replicas over nodes too (tests/unit/test_nodes.py)
+    EngineConfig(data_parallel_size=2, tensor_parallel_size=2, nnodes=2,
+                 dist_init_addr="127.0.0.1:1234")  # fmt: skip
     with pytest.raises(ValueError, match=r"^invalid --nnodes 2 .*divide --data-parallel-size"):
         EngineConfig(data_parallel_size=3, enable_expert_parallel=True, nnodes=2,
                      dist_init_addr="127.0.0.1:1234")  # fmt: skip

@@ -1,7 +1,9 @@
-"""Expert parallelism over nodes, without processes: which ranks a node runs, how a failed
-collective is named when the dead peer is on this node (its pid) or on another (a remote
-rank, whose pid means nothing here), and the pipes node 0 binds and publishes for a remote
-core. The two-node server itself: tests/e2e/test_two_node_ep_server.py (slow)."""
+"""Data-parallel ranks over nodes (plain replicas or expert-parallel ranks), without
+processes: which flags are taken, which ranks a node runs, how a failed collective is named
+when the dead peer is on this node (its pid) or on another (a remote rank, whose pid means
+nothing here), and the pipes node 0 binds and publishes for a remote core. The two-node servers
+themselves: tests/e2e/test_two_node_dp_server.py and test_two_node_ep_server.py (slow); a lost
+link: tests/unit/test_link_watch.py."""
 
 from __future__ import annotations
 
@@ -15,12 +17,24 @@ import torch.distributed as dist
 
 from swaserve.config import EngineConfig
 from swaserve.distributed.ep_launch import PidWatch
-from swaserve.server.ep_nodes import IPC_KEY, local_ranks, publish_pipes, remote_pipes
 from swaserve.server.ipc import CoreClient
+from swaserve.server.nodes import IPC_KEY, local_ranks, publish_pipes, remote_pipes
 
 
 def _ep(**kw) -> EngineConfig:
     return EngineConfig(model="x", data_parallel_size=4, enable_expert_parallel=True, **kw)
+
+
+def test_replicas_spread_over_nodes_that_divide_them():
+    two = dict(nnodes=2, dist_init_addr="127.0.0.1:1234")
+    EngineConfig(data_parallel_size=2, **two)
+    EngineConfig(data_parallel_size=4, tensor_parallel_size=2, node_rank=1, **two)
+    with pytest.raises(ValueError, match=r"^invalid --nnodes 2 \(nnodes\): must be >= 1 and "
+                       r"divide --data-parallel-size \(3\)"):  # fmt: skip
+        EngineConfig(data_parallel_size=3, **two)
+    # without -dp the tensor-parallel ranks spread: they must divide
+    with pytest.raises(ValueError, match=r"divide --tensor-parallel-size \(1\)"):
+        EngineConfig(**two)
 
 
 def test_local_ranks():
@@ -29,6 +43,10 @@ def test_local_ranks():
     assert local_ranks(_ep(**two)) == range(0, 2)
     assert local_ranks(_ep(**two, node_rank=1)) == range(2, 4)
     assert local_ranks(EngineConfig(model="x", data_parallel_size=3)) == range(3)
+    # plain replicas: the same split, each replica's -tp processes on its node
+    plain = dict(model="x", data_parallel_size=4, tensor_parallel_size=2, **two)
+    assert local_ranks(EngineConfig(**plain)) == range(0, 2)
+    assert local_ranks(EngineConfig(**plain, node_rank=1)) == range(2, 4)
     # tensor parallelism over nodes: node 0 runs the one core, node 1 its workers only
     tp = dict(model="x", tensor_parallel_size=2, **two)
     assert local_ranks(EngineConfig(**tp)) == range(1)
@@ -65,6 +83,7 @@ def test_node0_publishes_bound_tcp_pipes():
     client = CoreClient(None, *pipes, max_queue=4)
     store = dist.HashStore()
     try:
+        assert client.link is not None and not client.link_lost()  # watched, nobody came yet
         bound = client.endpoints()
         assert all(e.startswith("tcp://127.0.0.1:") and not e.endswith(":*") for e in bound)
         publish_pipes(store, 3, bound)
@@ -73,11 +92,12 @@ def test_node0_publishes_bound_tcp_pipes():
         client.close()
 
 
-def test_offline_engine_refuses_nodes(tmp_path):
-    """The offline Engine spawns its ranks here: over nodes it is refused before any starts."""
+@pytest.mark.parametrize("expert", [True, False])
+def test_offline_engine_refuses_nodes(expert):
+    """The offline Engine runs its ranks here: over nodes it is refused before any starts."""
     from swaserve import Engine
 
-    with pytest.raises(ValueError, match=r"--nnodes 2 with --enable-expert-parallel is for "
+    with pytest.raises(ValueError, match=r"--nnodes 2 with --data-parallel-size 2 is for "
                        r"`swaserve serve`"):  # fmt: skip
         Engine(model="gemma-3-270m", load_format="dummy", device="cpu", data_parallel_size=2,
-               enable_expert_parallel=True, nnodes=2, dist_init_addr="127.0.0.1:1")  # fmt: skip
+               enable_expert_parallel=expert, nnodes=2, dist_init_addr="127.0.0.1:1")  # fmt: skip
