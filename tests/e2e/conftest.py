@@ -3,6 +3,7 @@
 `server`: ONE `swaserve serve` on smollm2-135m-instruct for the whole session (API key on).
 `tiny_server_factory`: small servers on a tiny random Llama folder whose tokenizer has no
 chat template, started per test (queue-full and kill-the-core tests), stopped at the end.
+`tiny_moe_folder`: a tiny random Qwen3-MoE, no tokenizer (token ids in and out).
 """
 
 from __future__ import annotations
@@ -249,6 +250,15 @@ def tiny_model_folder(tmp_path_factory) -> Path:
     tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
     tok_cfg.pop("chat_template", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_folder(tmp_path_factory) -> Path:
+    from tests.helpers import save_random_hf_model, tiny_moe_config
+
+    folder = tmp_path_factory.mktemp("moe")
+    save_random_hf_model(tiny_moe_config(), folder)
     return folder
 
 

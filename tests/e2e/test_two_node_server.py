@@ -6,43 +6,18 @@ error naming the rank instead of a hang."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 
-from tests.e2e.conftest import RunningServer, free_port, kill_mid_stream
+from tests.e2e.conftest import kill_mid_stream
+from tests.e2e.two_nodes import check_clean_stop, kill_node, start_pair, stop_pair
 
 pytestmark = pytest.mark.slow  # two server processes of their own
 
 
-def _node1(folder, addr: str, log_path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "swaserve.cli", "serve", "--model", str(folder), "-tp", "2",
-           "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, "--device", "cpu",
-           "--kv-cache-gb", "0.05"]  # fmt: skip
-    log = open(log_path, "w")  # noqa: SIM115 (the process owns it; closed with the test)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    # its own session: killing the group is the whole machine going away (launcher and rank)
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-
-
-def _start_pair(folder, tmp_path) -> tuple[RunningServer, subprocess.Popen]:
-    addr = f"127.0.0.1:{free_port()}"
-    node1 = _node1(folder, addr, tmp_path / "node1.log")  # waits for node 0's rendezvous
-    node0 = RunningServer(
-        ["--model", str(folder), "-tp", "2", "--nnodes", "2", "--node-rank", "0",
-         "--dist-init-addr", addr, "--device", "cpu", "--kv-cache-gb", "0.05"],
-        tmp_path / "node0.log",
-    )  # fmt: skip
-    try:
-        node0.wait_ready(timeout=180)
-    except BaseException:
-        node1.kill()
-        raise
-    return node0, node1
+def _start_pair(folder, tmp_path):
+    flags = ["--model", str(folder), "-tp", "2", "--nnodes", "2", "--device", "cpu",
+             "--kv-cache-gb", "0.05"]  # fmt: skip
+    return start_pair(flags, tmp_path, timeout=180)
 
 
 def test_two_nodes_serve_with_one_process_tokens(tiny_model_folder, tmp_path):
@@ -66,14 +41,9 @@ def test_two_nodes_serve_with_one_process_tokens(tiny_model_folder, tmp_path):
             )  # fmt: skip
             got = r.choices[0].model_extra.get("token_ids")
             assert got == tokens, (got, tokens)
-        assert node1.poll() is None  # node 1 serves as long as node 0 does
-        node0.stop()
-        assert node0.proc.returncode == 0, node0.log()[-2000:]
-        assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()[-2000:]
+        check_clean_stop(node0, node1, tmp_path)
     finally:
-        node0.stop()
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
+        stop_pair(node0, node1)
 
 
 def test_a_killed_node_stops_the_other_with_a_clear_error(tiny_model_folder, tmp_path):
@@ -81,9 +51,7 @@ def test_a_killed_node_stops_the_other_with_a_clear_error(tiny_model_folder, tmp
     try:
         body = {"model": str(tiny_model_folder), "prompt": [5, 6, 7], "max_tokens": 2000,
                 "stream": True, "ignore_eos": True}  # fmt: skip
-        kill_mid_stream(node0, body, lambda: os.killpg(node1.pid, signal.SIGKILL))
+        kill_mid_stream(node0, body, lambda: kill_node(node1))
         assert "tensor-parallel rank 1 on other nodes failed" in node0.log(), node0.log()[-3000:]
     finally:
-        node0.stop()
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
+        stop_pair(node0, node1)
