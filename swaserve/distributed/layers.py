@@ -14,6 +14,10 @@ Per rank r of T (Megatron's split, one all-reduce after attention and one after 
     down_proj, w2  the same input columns: row-parallel, all-reduce, bias once
     lm_head        vocabulary rows as embed_tokens (tied: the embedding's shard itself); the
                    runner gathers the logits (tp_runner.py)
+    DFlash drafter its attention and MLP as the target's layers (`shard_drafter`): its KV heads
+                   per rank then equal the target's, so its layers share each rank's pool;
+                   fc, the norms and rotary replicated; the target's embedding and head serve
+                   it (distributed/dflash_tp.py)
 
 Norms (q/k norms are per head), rotary and the experts' router are replicated. Biases of a
 row-parallel layer are added by rank 0 alone, so the all-reduce sums them once. Under expert
@@ -34,6 +38,8 @@ from swaserve.distributed.parallel_state import TPGroup
 from swaserve.distributed.sharding import Shard
 from swaserve.models.blocks import Attention, GatedMLP
 from swaserve.models.moe import SparseMoE
+from swaserve.speculative.dflash_config import DFlashConfig
+from swaserve.speculative.dflash_model import DFlashAttention, DFlashDrafter
 
 
 class RowParallelLinear(nn.Linear):
@@ -111,28 +117,39 @@ class _Planner:
         setattr(owner, leaf, nn.Parameter(torch.empty(shape, dtype=p.dtype), requires_grad=False))
         self.shards[f"{prefix}{leaf}"] = Shard(full, dim, tuple(ranges))
 
-    def attention(self, a: Attention, prefix: str) -> None:
-        s, tp = a.spec, self.tp
-        d = s.head_dim
-        h0, h1 = _split(s.num_heads, tp, "attention heads")
-        if s.num_kv_heads >= tp.size:
-            k0, k1 = _split(s.num_kv_heads, tp, "KV heads")
-        elif tp.size % s.num_kv_heads:
+    def heads(self, num_heads: int, num_kv_heads: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's query heads [h0, h1) and KV heads [k0, k1) (the module docstring)."""
+        tp = self.tp
+        h = _split(num_heads, tp, "attention heads")
+        if num_kv_heads >= tp.size:
+            return h, _split(num_kv_heads, tp, "KV heads")
+        if tp.size % num_kv_heads:
             raise ValueError(
                 f"--tensor-parallel-size {tp.size} must divide the model's KV heads "
-                f"({s.num_kv_heads}) or be a multiple of them"
+                f"({num_kv_heads}) or be a multiple of them"
             )
-        else:  # fewer KV heads than ranks: each rank keeps the one its query heads read
-            k0 = tp.rank * s.num_kv_heads // tp.size
-            k1 = k0 + 1
+        k0 = tp.rank * num_kv_heads // tp.size  # fewer KV heads than ranks: the one its
+        return h, (k0, k0 + 1)  # query heads read
+
+    def attention(self, a: Attention, prefix: str) -> None:
+        s = a.spec
+        (h0, h1), (k0, k1) = self.projections(a, prefix, s.num_heads, s.num_kv_heads, s.head_dim)
+        self.keep(a, prefix, "sinks", 0, [(h0, h1)])
+        a.spec = dataclasses.replace(s, num_heads=h1 - h0, num_kv_heads=k1 - k0)
+
+    def projections(
+        self, a: nn.Module, prefix: str, num_heads: int, num_kv_heads: int, d: int
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Cut `a`'s q/k/v_proj (column-parallel) and o_proj (row-parallel) to this rank's
+        heads; returns them as `heads` does."""
+        (h0, h1), (k0, k1) = self.heads(num_heads, num_kv_heads)
         for proj, (lo, hi) in (("q_proj", (h0, h1)), ("k_proj", (k0, k1)), ("v_proj", (k0, k1))):
             lin = getattr(a, proj)
             for leaf in ("weight", "bias"):
                 self.keep(lin, f"{prefix}{proj}.", leaf, 0, [(lo * d, hi * d)])
             lin.out_features = (hi - lo) * d
-        self.keep(a, prefix, "sinks", 0, [(h0, h1)])
         a.o_proj = self._row_parallel(a.o_proj, f"{prefix}o_proj.", [(h0 * d, h1 * d)])
-        a.spec = dataclasses.replace(s, num_heads=h1 - h0, num_kv_heads=k1 - k0)
+        return (h0, h1), (k0, k1)
 
     def mlp(self, m: GatedMLP, prefix: str) -> None:
         lo, hi = _split(m.gate_proj.out_features, self.tp, "intermediate size")
@@ -207,3 +224,31 @@ def check_shardable(hf_config, size: int, experts: bool = True) -> None:
     with torch.device("meta"):
         model = model_class(hf_config)(hf_config)
     shard_model(model, TPGroup.layout_only(0, size), experts)
+
+
+def shard_drafter(drafter: DFlashDrafter, tp: TPGroup) -> dict[str, Shard]:
+    """`shard_model` for a DFlash drafter built on the meta device. fc stays whole: its input,
+    the target's kept hidden states, is replicated on every rank after the target's
+    all-reduces, and so is its output."""
+    planner = _Planner(tp)
+    with torch.device("meta"):
+        for name, module in list(drafter.named_modules()):
+            prefix = f"{name}."
+            if isinstance(module, DFlashAttention):
+                (h0, h1), (k0, k1) = planner.projections(
+                    module, prefix, module.num_heads, module.num_kv_heads, module.head_dim
+                )
+                module.num_heads, module.num_kv_heads = h1 - h0, k1 - k0
+            elif isinstance(module, GatedMLP):
+                planner.mlp(module, prefix)
+    return planner.shards
+
+
+def check_drafter_shardable(cfg: DFlashConfig, size: int) -> None:
+    """`check_shardable` for a DFlash drafter's config (the error names the drafter)."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    try:
+        shard_drafter(drafter, TPGroup.layout_only(0, size))
+    except ValueError as e:
+        raise ValueError(f"DFlash drafter: {e}".replace("the model's", "its")) from e

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from swaserve.models.blocks import GatedMLP, RMSNorm, Rotary, rope_inv_freq
 from swaserve.speculative.dflash_config import DFlashConfig, load_dflash_config
+
+if TYPE_CHECKING:
+    from swaserve.distributed.parallel_state import TPGroup
+    from swaserve.distributed.sharding import Shard
 
 # SDPA backends for the drafter's masked attention. Not cuDNN: PyTorch picks it on H100/H200
 # for these boolean-masked shapes and it builds a new plan for every new context width,
@@ -276,21 +280,33 @@ class DFlashDrafter(nn.Module):
 
 
 def load_dflash_drafter(
-    folder: str | Path, target_config: Any, device: torch.device | str, dtype: torch.dtype
+    folder: str | Path,
+    target_config: Any,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    tp: TPGroup | None = None,
 ) -> DFlashDrafter:
     """The drafter in `folder` (config.json checked against the target's HF config, then its
-    *.safetensors with every tensor present and none unexpected), in eval mode."""
+    *.safetensors with every tensor present and none unexpected), in eval mode; with `tp`
+    (size > 1) rank tp.rank's shard (distributed/layers.py, `shard_drafter`)."""
     folder = Path(folder)
     cfg = load_dflash_config(folder, target_config)
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
+    shards: dict[str, Shard] = {}
+    if tp is not None and tp.size > 1:
+        from swaserve.distributed.layers import shard_drafter
+
+        shards = shard_drafter(model, tp)
     model = model.to(dtype).to_empty(device=device)
-    _load_weights(model, folder)
+    _load_weights(model, folder, shards)
     model.rotary_emb.restore_buffers(torch.device(device))
     return model.eval().requires_grad_(False)
 
 
-def _load_weights(model: nn.Module, folder: Path) -> None:
+def _load_weights(model: nn.Module, folder: Path, shards: dict[str, Shard]) -> None:
+    """`shards`: the parameters that hold one rank's part; each checkpoint tensor has the full
+    parameter's shape and is cut as it is copied."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -306,13 +322,18 @@ def _load_weights(model: nn.Module, folder: Path) -> None:
                 if name not in params:
                     raise ValueError(f"{path}: unexpected tensor {name!r} for a DFlash drafter")
                 t = f.get_tensor(name)
-                if t.shape != params[name].shape:
+                shard = shards.get(name)
+                want = shard.full_shape if shard is not None else tuple(params[name].shape)
+                if tuple(t.shape) != want:
                     raise ValueError(
                         f"{path}: tensor {name!r} has shape {tuple(t.shape)}, the config gives "
-                        f"{tuple(params[name].shape)}"
+                        f"{want}"
                     )
                 with torch.no_grad():
-                    params[name].copy_(t)
+                    if shard is not None:
+                        shard.copy_into(params[name].data, None, t)
+                    else:
+                        params[name].copy_(t)
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
