@@ -17,6 +17,12 @@ Every message starts with a header, HEADER int64 words over the gloo group:
     MOE      expert parallelism (ep_tp.py): a = fixed path (0/1), b = data-parallel ranks D;
              payload (gloo) the agreed token count of every data-parallel rank [D]; this
              rank's FORWARD follows, or, when its count is 0, the worker runs the idle forward
+    DRAFT    a DFlash drafter forward (dflash_tp.py): a = requests R, b = context width,
+             c = payload length; payload (gloo) W | x_c[R] | c[R] | per drafter group its
+             tables as one [R, W] block (zero-padded); every rank runs the drafter on its
+             shard, and rank 0 gathers the draft logits
+    CONTEXT  the drafter's context K/V of the last FORWARD's tokens, from each rank's own kept
+             target outputs (no payload: the worker holds that forward's batch)
     STOP     the worker returns
 
 A step's positions are not sent: request r's run from context_lens[r] for query_lens[r] tokens.
@@ -27,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from swaserve.attention.base import AttentionInputs
 from swaserve.distributed.parallel_state import TPGroup
@@ -34,6 +41,7 @@ from swaserve.distributed.parallel_state import TPGroup
 HEADER = 4
 FORWARD, LOGITS, COPY, STOP = 1, 2, 3, 4
 MOE = 8  # (5-7 are ep_wire's, whose STOP is this one)
+DRAFT, CONTEXT = 9, 10  # DFlash (11 is free for it; 12-14 are taken elsewhere)
 
 
 @dataclass
@@ -48,6 +56,9 @@ class Message:
     dst: list[int] | None = None  # COPY
     sizes: list[int] | None = None  # MOE
     fixed: bool = False  # MOE
+    head: torch.Tensor | None = None  # DRAFT: [2, R] x_c and c, on the host
+    tables: list[torch.Tensor] | None = None  # DRAFT: per drafter group [R, W], on the host
+    width: int = 0  # DRAFT: context keys per request
 
 
 class StepWire:
@@ -85,6 +96,18 @@ class StepWire:
         self._header(MOE, int(fixed), len(sizes))
         self.tp.broadcast(torch.tensor(sizes, dtype=torch.int64), on_cpu=True)
 
+    def send_draft(self, head: torch.Tensor, tables: list[torch.Tensor], width: int) -> None:
+        """Header (DRAFT, R, width, payload length), then W, x_c, c and the groups' tables
+        padded to W (`head` [2, R] and `tables` int64 host tensors)."""
+        w = max(t.shape[1] for t in tables)
+        padded = [F.pad(t, (0, w - t.shape[1])).reshape(-1) for t in tables]
+        payload = torch.cat([torch.tensor([w], dtype=torch.int64), head.reshape(-1), *padded])
+        self._header(DRAFT, head.shape[1], width, payload.numel())
+        self.tp.broadcast(payload, on_cpu=True)
+
+    def send_context(self) -> None:
+        self._header(CONTEXT)
+
     def send_stop(self) -> None:
         self._header(STOP)
 
@@ -115,9 +138,18 @@ class StepWire:
             return Message(op, src=vals[:a], dst=vals[a:])
         if op == MOE:
             return Message(op, sizes=self._payload(b), fixed=bool(a))
-        if op == STOP:
+        if op == DRAFT:
+            return self._recv_draft(a, b, c)
+        if op in (CONTEXT, STOP):
             return Message(op)
         raise RuntimeError(f"step wire: unknown op {op}")
+
+    def _recv_draft(self, r: int, width: int, n: int) -> Message:
+        vals = self.tp.broadcast(torch.empty(n, dtype=torch.int64), on_cpu=True)
+        w = int(vals[0])
+        blocks = vals[1 + 2 * r :].view(-1, r, w)  # [groups, R, W]
+        return Message(DRAFT, head=vals[1 : 1 + 2 * r].view(2, r), tables=list(blocks),
+                       width=width)
 
     def _payload(self, n: int) -> list[int]:
         return self.tp.broadcast(torch.empty(n, dtype=torch.int64), on_cpu=True).tolist()

@@ -6,6 +6,8 @@ memory on CUDA, agree on the page count (the smallest pool), allocate the KV poo
 heads, calibrate FP8 scales (the largest over the ranks). Then `serve_steps` mirrors rank 0's
 messages (step_wire.py) until STOP or until rank 0 is gone (the next wait fails).
 No scheduler, memory manager, prefix cache or sampler here: rank 0 decides, the workers run.
+With a DFlash drafter a worker holds its shard too, its layers in the pool after the target's,
+and runs every drafter forward and context K/V store rank 0 announces (dflash_tp.py).
 Inside a rank of DP attention + expert parallelism the worker also holds experts of its own and
 joins its tensor-parallel index's expert-parallel group (ep_tp.py) before building its shard.
 """
@@ -21,10 +23,20 @@ from pathlib import Path
 import torch
 
 from swaserve.config import EngineConfig
+from swaserve.distributed.dflash_tp import TPDFlashProposer
 from swaserve.distributed.expert_parallel import ExpertParallel
 from swaserve.distributed.launch import RankFailure
 from swaserve.distributed.parallel_state import TPGroup, open_store
-from swaserve.distributed.step_wire import COPY, FORWARD, LOGITS, MOE, STOP, StepWire
+from swaserve.distributed.step_wire import (
+    CONTEXT,
+    COPY,
+    DRAFT,
+    FORWARD,
+    LOGITS,
+    MOE,
+    STOP,
+    StepWire,
+)
 from swaserve.engine.model_runner import ModelRunner
 
 log = logging.getLogger("swaserve.worker")
@@ -56,13 +68,14 @@ def worker_main(rank: int, spec_json: str) -> None:
             from swaserve.distributed.ep_tp import join_as_worker
 
             ep = join_as_worker(spec["expert_parallel"], tp, device)
-        runner = build_shard(config, Path(spec["folder"]), tp, ep)
+        runner, proposer = build_shard(config, Path(spec["folder"]), tp, ep)
         serve_steps(
             runner,
             StepWire(
                 tp, int(runner.model.config.hidden_size), next(runner.model.parameters()).dtype
             ),
             ep,
+            proposer,
         )
     except RuntimeError as e:
         # gloo's word for a vanished rank 0 (a dead expert-parallel peer is a RankFailure)
@@ -78,9 +91,10 @@ def worker_main(rank: int, spec_json: str) -> None:
 
 def build_shard(
     config: EngineConfig, folder: Path, tp: TPGroup, ep: ExpertParallel | None = None
-) -> ModelRunner:
+) -> tuple[ModelRunner, TPDFlashProposer | None]:
     """This rank's model shard and KV pool, built as EngineCore builds rank 0's (`ep`: with
-    experts of its own, in its expert-parallel group)."""
+    experts of its own, in its expert-parallel group), and its DFlash drafter shard if any
+    (its layers in the pool after the target's; the runner keeps its target_layer_ids)."""
     from swaserve.attention import backend_class
     from swaserve.distributed.layers import kv_heads_per_rank
     from swaserve.engine.core import agree_kv_scales, kv_budget_bytes
@@ -89,6 +103,7 @@ def build_shard(
     from swaserve.memory.kv_pool import KVPool
     from swaserve.memory.manager import page_bytes
     from swaserve.models.blocks import head_dim_of, layer_windows
+    from swaserve.speculative.dflash_setup import build_proposer, dflash_setup
     from swaserve.weights.loader import build_model, load_hf_config
 
     device, dtype = tp.device, config.torch_dtype()
@@ -104,7 +119,9 @@ def build_shard(
         from swaserve.ops import enable_fused_ops
 
         enable_fused_ops(model)
-    layout = build_layout(layer_windows(hf), all_full=config.disable_hybrid_kv_cache)
+    dflash = dflash_setup(config, hf)
+    windows = layer_windows(hf) + (list(dflash.cfg.layer_windows) if dflash else [])
+    layout = build_layout(windows, all_full=config.disable_hybrid_kv_cache)
     kv_heads, head_dim = kv_heads_per_rank(hf.num_key_value_heads, tp.size), head_dim_of(hf)
     kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else dtype
     per_page = page_bytes(layout, config.page_size, kv_heads, head_dim, kv_dtype.itemsize)
@@ -124,7 +141,7 @@ def build_shard(
     num_pages = int(tp.agree([max(2, int(budget // per_page))], "min")[0])
     kv = KVPool(layout, num_pages, config.page_size, kv_heads, head_dim, kv_dtype, device)
     if kv.is_fp8:
-        n = hf.num_hidden_layers
+        n = len(layout.layer_to_slot)  # the target's layers, then a drafter's
         if config.kv_cache_scale is not None:
             kv.set_scales([config.kv_cache_scale] * n, [config.kv_cache_scale] * n)
         else:
@@ -149,18 +166,34 @@ def build_shard(
         num_pages,
         kv_heads,
     )
-    return ModelRunner(model, kv, backend, device)
+    runner = ModelRunner(model, kv, backend, device)
+    if dflash is None:
+        return runner, None
+    proposer = build_proposer(dflash, model, layout, kv, config, tp)
+    runner.keep = dflash.cfg.target_layer_ids
+    return runner, proposer
 
 
-def serve_steps(runner: ModelRunner, wire: StepWire, ep: ExpertParallel | None = None) -> None:
+def serve_steps(
+    runner: ModelRunner,
+    wire: StepWire,
+    ep: ExpertParallel | None = None,
+    proposer: TPDFlashProposer | None = None,
+) -> None:
     """Mirror rank 0's messages (step_wire.py) until STOP."""
+    fb = None  # the last FORWARD's batch: a CONTEXT stores the drafter's K/V of its tokens
     with torch.inference_mode():
         while True:
             msg = wire.recv()
             if msg.op == FORWARD:
-                runner.forward(runner.build(msg.input_ids, msg.inputs))
+                fb = runner.build(msg.input_ids, msg.inputs)
+                runner.forward(fb)
                 if ep is not None:
                     ep.end_step()
+            elif msg.op == DRAFT:
+                proposer.serve_draft(msg.head, msg.tables, msg.width, runner.kv)
+            elif msg.op == CONTEXT:
+                proposer.store_context_of_batch(fb, runner.kept, runner.kv)
             elif msg.op == MOE:  # an expert-parallel step: its sizes, then this rank's forward
                 ep.begin_step(msg.sizes, msg.fixed)
                 if not msg.sizes[ep.rank]:  # or, without tokens here, the idle forward now

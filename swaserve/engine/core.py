@@ -35,11 +35,9 @@ from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
 from swaserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow
-from swaserve.speculative.dflash_config import DFlashConfig, load_dflash_config
-from swaserve.speculative.dflash_model import load_dflash_drafter
 from swaserve.speculative.dflash_proposer import DFlashProposer
+from swaserve.speculative.dflash_setup import build_proposer, dflash_setup
 from swaserve.speculative.metrics import SpecStats
-from swaserve.weights.builtin import ALIASES, builtin_drafter
 from swaserve.weights.loader import build_model, load_hf_config
 
 if TYPE_CHECKING:
@@ -138,9 +136,13 @@ class EngineCore:
         self.max_model_len = check_model_len(
             config.max_model_len, int(hf.max_position_embeddings)
         )
+        # DFlash: its checkpoint now (its layers join the pool's layout after the target's)
+        self.dflash = dflash_setup(config, hf)
+        self.dflash_config = self.dflash.cfg if self.dflash is not None else None
+        self.draft_model_path = self.dflash.path if self.dflash is not None else None
         # Tensor parallelism: the other ranks start now and build their shards beside this one;
         # swaserve/distributed/worker.py mirrors every collective of the start-up below (memory
-        # profile, page count, FP8 calibration), in this order.
+        # profile, page count, FP8 calibration, the drafter's), in this order.
         tp = self._start_parallel(folder)
         ep = self.ep
         self.model = build_model(
@@ -167,8 +169,6 @@ class EngineCore:
             from swaserve.distributed.layers import kv_heads_per_rank
 
             kv_heads = kv_heads_per_rank(kv_heads, tp.size)
-        # DFlash: the drafter's layers join the pool's layout after the target's.
-        self.dflash_config = self._dflash_config(kv_heads, head_dim)
         windows = layer_windows(hf)
         if self.dflash_config is not None:
             windows = windows + list(self.dflash_config.layer_windows)
@@ -286,6 +286,10 @@ class EngineCore:
             )
         ep = self.ep
         check_shardable(self.hf_config, size, experts=ep is None)  # EP: experts stay whole
+        if self.dflash_config is not None:
+            from swaserve.distributed.layers import check_drafter_shardable
+
+            check_drafter_shardable(self.dflash_config, size)
         if self.device.type == "cuda":  # rank r on cuda:K+r (K: 0, or a replica's first GPU)
             first, count = self.device.index or 0, torch.cuda.device_count()
             if first + size // self.config.nnodes > count:
@@ -315,50 +319,15 @@ class EngineCore:
         if self.parallel is not None:
             self.parallel.shutdown()
 
-    def _dflash_config(self, kv_heads: int, head_dim: int) -> DFlashConfig | None:
-        c = self.config
-        if c.speculative_algorithm != "dflash":
-            return None
-        shipped = builtin_drafter(c.model)
-        path = c.speculative_draft_model or (str(shipped) if shipped else None)
-        if path is None:
-            have = ", ".join(a for a in ALIASES if builtin_drafter(a)) or "none"
-            raise ValueError(
-                "--speculative-algorithm dflash needs --speculative-draft-model PATH (a DFlash "
-                f"checkpoint folder) for {c.model}; a drafter ships for the built-in {have}"
-            )
-        self.draft_model_path = path
-        cfg = load_dflash_config(path, self.hf_config)
-        if (cfg.num_kv_heads, cfg.head_dim) != (kv_heads, head_dim):
-            raise ValueError(
-                f"{path}: the drafter's K/V shape (num_key_value_heads "
-                f"{cfg.num_kv_heads}, head_dim {cfg.head_dim}) differs from the target's "
-                f"({kv_heads}, {head_dim}); its layers share the target's KV pool, which needs "
-                "them equal"
-            )
-        return cfg
-
     def _dflash_proposer(self) -> DFlashProposer | None:
-        if self.dflash_config is None:
+        """The drafter over the built pool; with tensor parallelism rank 0's shard, which
+        announces each drafter forward to the workers (distributed/dflash_tp.py)."""
+        if self.dflash is None:
             return None
-        drafter = load_dflash_drafter(self.draft_model_path, self.hf_config, self.device,
-                                      self.dtype)
-        proposer = DFlashProposer(drafter, self.model, self.layout,
-                                  int(self.hf_config.num_hidden_layers), self.config.page_size)
-        if self.kv.is_fp8 and self.config.kv_cache_scale is None:
-            # the drafter's pool layers: calibrated like the target's (_set_fp8_scales), on
-            # its context K/V of the same tokens
-            from swaserve.engine.kv_calibration import calibrate_drafter_kv_scales
-
-            found = calibrate_drafter_kv_scales(
-                self.model, proposer, self.config.page_size, self.hf_config.num_key_value_heads,
-                head_dim_of(self.hf_config), self.dtype, self.device,
-                self.hf_config.vocab_size, self.config.seed)
-            ks, vs = list(self.kv.k_scales), list(self.kv.v_scales)
-            for layer_id, (k, v) in found.items():
-                ks[layer_id], vs[layer_id] = k, v
-            self.kv.set_scales(ks, vs)
-        return proposer
+        if self.parallel is None:
+            return build_proposer(self.dflash, self.model, self.layout, self.kv, self.config)
+        return build_proposer(self.dflash, self.model, self.layout, self.kv, self.config,
+                              self.parallel.tp, self.parallel, self.runner.wire)
 
     def _fit_context_to_pool(self, num_pages: int) -> None:
         """Cap max_model_len to the most tokens one request can hold in the pool (vLLM does

@@ -106,6 +106,15 @@ class DFlashProposer:
             k, v = self.drafter.context_kv(j, ctx, dev_positions)[:2]
             kv.store(layer_id, k, v, _to(slots, ctx.device))
 
+    def store_context_of_batch(self, fb: ForwardBatch, features: Tensor, kv: KVPool) -> None:
+        """`store_context` from the forward's own batch: its positions and each group's slot
+        mapping (a tensor-parallel worker, which has no page tables of its own)."""
+        ctx = self.drafter.project_context(features.to(self.dtype))
+        for j, layer_id in enumerate(self.pool_layer_ids):
+            group = fb.metadata.groups[self.layout.layer_to_group[layer_id]]
+            k, v = self.drafter.context_kv(j, ctx, fb.positions)[:2]
+            kv.store(layer_id, k, v, group.slot_mapping)
+
     def store_context_in_graph(self, fb: ForwardBatch, features: Tensor) -> None:
         """`store_context` inside a captured decode or verify graph (engine/cuda_graph.py):
         the step's positions and each group's slot mapping are the graph's own buffers,
@@ -168,10 +177,17 @@ class DFlashProposer:
             drafts = self.graphs.run(last, starts, tables, width)
             if drafts is not None:
                 return drafts
+        head = torch.tensor([last, starts], dtype=torch.int64)
+        return self.draft_eager(head, {g: _padded(rows) for g, rows in tables.items()}, width,
+                                kv)
+
+    def draft_eager(self, head: Tensor, tables: dict[int, Tensor], width: int,
+                    kv: KVPool) -> Tensor:
+        """`draft` from host tensors: head [2, R] (x_c, c), tables group -> [R, pages]."""
         dev = self.device
-        head = _to(torch.tensor([last, starts], dtype=torch.int64), dev)
-        pages = {g: _to(_padded(rows), dev) for g, rows in tables.items()}
-        return self.draft(head[0], head[1], pages, width, kv)
+        head = _to(head, dev)
+        return self.draft(head[0], head[1], {g: _to(t, dev) for g, t in tables.items()}, width,
+                          kv)
 
     def context_width(self, starts: list[int]) -> int:
         """Context keys a drafter forward reads per request (padded to the longest): every
@@ -212,7 +228,11 @@ class DFlashProposer:
             ctx.append(BatchedContext(keys.view(shape).to(self.dtype),
                                       values.view(shape).to(self.dtype), positions, valid))
         hidden = self.drafter.forward_blocks(embeds, starts[:, None] + steps[None, :], ctx)
-        return self.drafter.compute_logits(hidden[:, 1:], self.head).argmax(-1)
+        return self.draft_logits(hidden[:, 1:]).argmax(-1)
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """The draft logits [..., vocab] of the drafter's final hidden states [..., hidden]."""
+        return self.drafter.compute_logits(hidden, self.head)
 
     def capture_graphs(self, max_requests: int, max_model_len: int, kv: KVPool) -> None:
         """CUDA graphs of `draft` for batches of up to `max_requests` (engine/cuda_graph.py's
