@@ -164,11 +164,12 @@ class EngineConfig:
         self._check_data_parallel(bad)
         if tp == 1:
             return
-        # n-gram speculation: verify chunks are forwards like any other on every rank, its
-        # drafts and acceptance on rank 0 (tests/unit/test_tensor_parallel.py). DFlash's drafter
-        # is not sharded.
+        # Speculation: verify chunks are forwards like any other on every rank, drafts and
+        # acceptance on rank 0. n-gram drafts on rank 0 alone; DFlash's drafter is sharded like
+        # the target and every drafter forward runs on every rank (distributed/dflash_tp.py;
+        # tests/unit/test_tensor_parallel.py, test_dflash_tp.py). With
+        # --enable-expert-parallel DFlash is refused in _check_expert_parallel.
         unsupported = [
-            ("speculative_algorithm", self.speculative_algorithm not in (None, "ngram")),
             ("host_cache_gb", self.host_cache_gb > 0),
             ("disk_cache_dir", self.disk_cache_dir is not None),
         ]
@@ -225,13 +226,13 @@ class EngineConfig:
         # join the MoE exchange like any forward). With -tp inside the ranks, rank 0 of each
         # drafts and accepts, its workers forward the verify chunks, and they size the decode
         # workspace for K + 1 tokens a request as it does (ep_tp.attach_worker). DFlash
-        # stays refused until a test holds it here: its drafter is dense and per rank (no
-        # collective), but its context K/V come from the target's kept hidden states, and no
-        # test covers that over an expert-parallel target yet (a tiny DFlash drafter for
-        # gpt-oss / Qwen3-MoE would be the test).
+        # stays refused until a test holds it here (it runs with plain -tp: dflash_tp.py): its
+        # context K/V come from the target's kept hidden states, and no test covers that over
+        # an expert-parallel target yet, nor its sharded drafter's forwards between the MoE
+        # steps of the ranks (a tiny DFlash drafter for gpt-oss / Qwen3-MoE would be the test).
         if self.speculative_algorithm == "dflash":
             raise bad("speculative_algorithm", "is not supported with --enable-expert-parallel "
-                      "yet (ngram is)")
+                      "yet (ngram is; dflash runs with --tensor-parallel-size alone)")
 
     def _check_disaggregation(self, bad) -> None:
         """A PD instance: what does not run inside a pair yet is refused before loading."""

@@ -37,10 +37,12 @@ V, H, MASK = 48, 32, 47
 _SHAPE = dict(vocab_size=V, hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 
 
-def _target(kind: str) -> torch.nn.Module:
+def _target(kind: str, **shape) -> torch.nn.Module:
+    """`shape`: overrides of _SHAPE (vocab_size, num_key_value_heads: test_dflash_tp.py)."""
     torch.manual_seed(0)
     common = dict(
         _SHAPE,
+        **shape,
         intermediate_size=64,
         num_hidden_layers=6,
         initializer_range=0.2,
@@ -68,11 +70,12 @@ def _target(kind: str) -> torch.nn.Module:
     return model.eval()
 
 
-def _drafter_raw(kind: str) -> dict:
+def _drafter_raw(kind: str, **shape) -> dict:
     """The drafter's config.json: full layers and explicit ids for Qwen3; for Gemma 3 a
     sliding layer, the default ids (from num_target_layers) and the scaling fields."""
     raw = dict(
         _SHAPE,
+        **shape,
         architectures=["DFlashDraftModel"],
         model_type="qwen3",
         intermediate_size=48,
@@ -97,8 +100,8 @@ def _drafter_raw(kind: str) -> dict:
     return raw
 
 
-def _reference(kind: str) -> DFlashDraftModel:
-    model = DFlashDraftModel(Qwen3Config.from_dict(_drafter_raw(kind))).eval()
+def _reference(kind: str, **shape) -> DFlashDraftModel:
+    model = DFlashDraftModel(Qwen3Config.from_dict(_drafter_raw(kind, **shape))).eval()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # larger than the reference's init, so every part shows
         for name, p in model.named_parameters():

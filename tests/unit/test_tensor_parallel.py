@@ -220,8 +220,14 @@ def test_killed_worker_is_a_clear_error_within_seconds(folders):
 
 
 def test_flags_refused_with_tp_name_themselves(folders):
+    # DFlash runs with -tp (test_dflash_tp.py), not with expert parallelism yet
+    EngineConfig(tensor_parallel_size=2, speculative_algorithm="dflash")
+    with pytest.raises(ValueError, match=r"^invalid --speculative-algorithm .*"
+                       r"--enable-expert-parallel yet \(ngram is; dflash runs with "
+                       r"--tensor-parallel-size alone\)"):  # fmt: skip
+        EngineConfig(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,
+                     speculative_algorithm="dflash")
     for kwargs, flag in [
-        (dict(speculative_algorithm="dflash"), "--speculative-algorithm"),
         (dict(host_cache_gb=1.0), "--host-cache-gb"),
         (dict(disk_cache_dir="/tmp/x"), "--disk-cache-dir"),
     ]:
