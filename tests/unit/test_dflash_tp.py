@@ -7,7 +7,9 @@ sharded like the target, every drafter forward and context K/V store run on both
 - slow: `-tp 2` proposes the very drafts one process proposes with the same drafter, so
   tokens, logprobs and the spec metrics (verify steps, accepted drafts, histogram) equal one
   process's, and tokens and logprobs equal speculation off; through chunked prefill and a
-  prefix hit, the pool's integrity checked after every step.
+  prefix hit, the pool's integrity checked after every step;
+- slow: with FP8 KV the drafter's pool layers' scales, calibrated per rank and agreed, are one
+  process's, and greedy tokens equal one process's.
 
 Targets and drafters are test_dflash_reference's tiny ones, reshaped: a Qwen3 target with
 one KV head (replicated on both ranks) and a vocabulary of 49, a Gemma 3 target (window 6,
@@ -117,3 +119,28 @@ def test_tp2_drafts_tokens_and_metrics_equal_one_process(folders):
             assert b.num_cached_tokens == a.num_cached_tokens
     assert all(o.num_cached_tokens >= 12 for o in outs["two"][1])  # hits past both windows
     assert sum(o.spec_decoding["spec_accepted_drafts"] for o in outs["two"][0]) > 0
+
+
+@pytest.mark.slow
+def test_tp2_fp8_kv_scales_and_tokens_equal_one_process(folders):
+    """FP8 KV: each rank calibrates the drafter's pool layers on its own heads (the target's
+    calibration forward on both ranks), and the largest over the ranks is one process's scale;
+    greedy tokens then equal one process's."""
+    target_dir, drafter_dir, _ = folders
+    kw = dict(max_num_batched_tokens=12, kv_cache_gb=0.002, kv_cache_dtype="fp8_e4m3")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = _prompts()
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+    two = _engine(target_dir, drafter_dir, tensor_parallel_size=2, **kw)
+    try:
+        scales_two = (two.core.kv.k_scales, two.core.kv.v_scales)
+        got = two.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    finally:
+        two.core.shutdown()
+        faulthandler.cancel_dump_traceback_later()
+    one = _engine(target_dir, drafter_dir, **kw)
+    for a, b in zip((one.core.kv.k_scales, one.core.kv.v_scales), scales_two, strict=True):
+        assert b == pytest.approx(a, rel=1e-4)
+    want = one.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.spec_decoding["spec_accepted_drafts"] for o in got) > 0
