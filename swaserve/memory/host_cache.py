@@ -39,6 +39,16 @@ No host syncs with a host tier: index tensors go to the device from pinned memor
 (`_index`; a pageable copy would block the host until the stream's earlier work, a whole
 forward, is done). A disk tier does block the host: a store to it (`.cpu()`) and a move
 (host -> disk) wait for the store stream; a load from it reads the file on the host first.
+
+Tensor parallelism (SGLang's hierarchical cache under TP): rank 0's mover decides, every rank
+moves its own shard of the bytes. Each rank has tiers of the same slot layout (its pages hold
+its KV heads), so rank 0's page ids mean the same everywhere. Rank 0 sends each flush's ops
+before issuing them (`mirror_moves`) and each flush it first sees landed (`mirror_landed`);
+a worker `replay`s the flush under the same number, on its own streams, and on a landed
+message orders its compute stream after its own loads of that flush (`follow`, an event wait,
+no host sync). That is enough: rank 0 reads or reuses a page a load wrote only after it saw
+the flush land, and tells the workers before the message (FORWARD, COPY, the next flush) that
+reads or overwrites the page on their side.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +68,8 @@ import torch
 from swaserve.memory.kv_pool import KVPool
 
 NULL = 0
+# One queued copy: (src tier or None for the device, src pages, dst tier or None, dst pages).
+Op = tuple[int | None, list[int], int | None, list[int]]
 DISK_CACHE_GB = 16.0  # default disk tier size, at most half the free space of its directory
 
 
@@ -152,33 +165,63 @@ def build_tiers(
     host_cache_gb: float,
     disk_cache_dir: str | None,
     disk_cache_gb: float | None = None,
+    agree: Callable[[list[int]], list[int]] | None = None,
 ) -> list[OffloadPool]:
     """The offload tiers the config asks for: host (if host_cache_gb > 0), then disk (in a
-    sparse file of disk_cache_gb GiB, default min(16 GiB, half the directory's free space))."""
+    sparse file of disk_cache_gb GiB, default min(16 GiB, half the directory's free space)).
+    `agree` (tensor parallelism): the page counts every rank can hold, the smallest, so that
+    offload page ids mean the same on every rank."""
     shape = device_page_shape(kv)
     page_bytes = 1
     for d in shape:
         page_bytes *= d
+    counts = []
+    if host_cache_gb > 0:
+        counts.append(max(2, int(host_cache_gb * 2**30) // page_bytes))
+    if disk_cache_dir:
+        counts.append(max(2, _disk_bytes(Path(disk_cache_dir), disk_cache_gb) // page_bytes))
+    if agree is not None and counts:
+        counts = [int(n) for n in agree(counts)]
     tiers = []
     if host_cache_gb > 0:
-        pages = int(host_cache_gb * 2**30) // page_bytes
-        tiers.append(OffloadPool("host", max(2, pages), shape, pin=torch.cuda.is_available()))
+        tiers.append(OffloadPool("host", counts.pop(0), shape, pin=torch.cuda.is_available()))
     if disk_cache_dir:
-        folder = Path(disk_cache_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(folder).free
-        if disk_cache_gb is None:
-            size = min(DISK_CACHE_GB * 2**30, free / 2)
-        else:
-            size = disk_cache_gb * 2**30
-            if size > free:
-                raise ValueError(
-                    f"disk_cache_gb={disk_cache_gb} is more than the free space of "
-                    f"{folder} ({free / 2**30:.2f} GiB)"
-                )
-        path = folder / f"swaserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
-        tiers.append(OffloadPool("disk", max(2, int(size) // page_bytes), shape, path=path))
+        path = Path(disk_cache_dir) / f"swaserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        tiers.append(OffloadPool("disk", counts.pop(0), shape, path=path))
     return tiers
+
+
+def config_tiers(config: Any, kv: KVPool, tp: Any = None) -> list[OffloadPool]:
+    """This rank's tiers for an EngineConfig (--host-cache-gb, --disk-cache-dir, --disk-cache-gb).
+
+    Tensor parallelism (`tp`, a TPGroup of T > 1; every rank calls this at the same point of
+    its start-up, a collective): the sizes are per rank, as SGLang's --hicache-size and
+    vLLM's --swap-space are (and as --kv-cache-gb is here): each rank's host memory holds its
+    own shard of every page, so a user sizes it by what one rank's host share can pin; the
+    page counts are then the smallest over the ranks (they agree unless disk space differs).
+    A disk tier goes into DIR/tp{T}-rank{r}: a run with another T never mixes its shards."""
+    folder = config.disk_cache_dir
+    agree = None
+    if tp is not None and tp.size > 1:
+        agree = partial(tp.agree, op="min")
+        if folder:
+            folder = str(Path(folder) / f"tp{tp.size}-rank{tp.rank}")
+    return build_tiers(kv, config.host_cache_gb, folder, config.disk_cache_gb, agree)
+
+
+def _disk_bytes(folder: Path, disk_cache_gb: float | None) -> int:
+    """The disk tier's size: disk_cache_gb GiB, default min(16 GiB, half the free space)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if disk_cache_gb is None:
+        return int(min(DISK_CACHE_GB * 2**30, free / 2))
+    size = disk_cache_gb * 2**30
+    if size > free:
+        raise ValueError(
+            f"disk_cache_gb={disk_cache_gb} is more than the free space of "
+            f"{folder} ({free / 2**30:.2f} GiB)"
+        )
+    return int(size)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -229,17 +272,20 @@ class PageMover:
         self.kv = kv
         self.tiers = tiers
         self.dev = _bytes(kv.pages)  # [page, slot, k|v, offset, head, byte]: a page a row
-        # Tensor parallelism: called with every device copy's pages, so the other ranks make
-        # the same copy in their pools (swaserve/distributed/tp_runner.py); None: one process.
+        # Tensor parallelism, rank 0 (swaserve/distributed/tp_runner.py; None: one process):
+        # every copy-on-write copy (`copy_now`), every flush's ops under its number before they
+        # are issued, and every flush whose loads this rank first finds landed, so the other
+        # ranks make the same copies in their pools and tiers (module docstring).
         self.mirror: Callable[[list[int], list[int]], None] | None = None
+        self.mirror_moves: Callable[[int, list[Op]], None] | None = None
+        self.mirror_landed: Callable[[int], None] | None = None
         self.cuda = self.dev.device.type == "cuda"
         dev = self.dev.device
         self._store_stream = torch.cuda.Stream(dev) if self.cuda else None
         self._load_stream = torch.cuda.Stream(dev) if self.cuda else None
         self._lane: _Lane | None = None  # CPU emulation of the load stream (tests)
         self._lag = 0
-        # (src tier or None for device, src pages, dst tier or None for device, dst pages)
-        self._ops: list[tuple[int | None, list[int], int | None, list[int]]] = []
+        self._ops: list[Op] = []
         self._flushes = 0  # flushes so far: the next one is number `next_flush`
         self._events: dict[int, Any] = {}  # flush -> event after its loads, until they land
         self._landed: dict[int, Any] = {}  # events found complete since the last flush
@@ -308,6 +354,8 @@ class PageMover:
             self._land(n - self._lag)
         if not ops:
             return
+        if self.mirror_moves is not None:
+            self.mirror_moves(n, ops)
         if not self.asynchronous:
             for op in ops:
                 self._run(*op)
@@ -385,6 +433,8 @@ class PageMover:
         self._landed[n] = self._events.pop(n)
         if not self._events:
             self._reading.clear()
+        if self.mirror_landed is not None:
+            self.mirror_landed(n)
         return True
 
     def ready(self, n: int) -> bool:
@@ -410,8 +460,38 @@ class PageMover:
                 self._load_stream.synchronize()
             else:
                 self._lane.run_to(self._lane.issued)
+            if self.mirror_landed is not None:
+                self.mirror_landed(max(self._events))
         self._events.clear()
         self._reading.clear()
+
+    # ---- a tensor-parallel worker: rank 0's flushes, on this rank's shard ------------------
+
+    def replay(self, n: int, ops: list[Op]) -> None:
+        """Run rank 0's flush n (its ops, in its order) on this rank's pool and tiers, on this
+        rank's streams: its loads are tracked under the same number, for `follow`."""
+        assert self._lane is None and not self._ops
+        self._flushes, self._ops = n, [(a, list(b), c, list(d)) for a, b, c, d in ops]
+        self.flush()
+
+    def follow(self, n: int) -> None:
+        """Rank 0 saw flush n's loads land and may now read or reuse what they wrote (or read):
+        order this rank's compute stream after its own loads of flushes <= n, without a host
+        sync. The load stream runs in order, so the latest of them covers the rest; a later
+        flush's streams first wait for the compute stream, so its stores and moves come after
+        them too."""
+        due = sorted(f for f in self._events if f <= n)
+        if not due:
+            return
+        ev = self._events[due[-1]]
+        for f in due:
+            del self._events[f]
+        if not self._events:
+            self._reading.clear()
+        if self.cuda:
+            torch.cuda.current_stream(self.dev.device).wait_event(ev)
+        else:
+            ev.synchronize()
 
     # ---- the copies -----------------------------------------------------------------------
 
@@ -420,7 +500,10 @@ class PageMover:
         if src_pages:
             if self.mirror is not None:
                 self.mirror(src_pages, dst_pages)
-            self.dev[self._index(dst_pages)] = self.dev[self._index(src_pages)]
+            self._copy(src_pages, dst_pages)
+
+    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        self.dev[self._index(dst_pages)] = self.dev[self._index(src_pages)]
 
     def _index(self, pages: list[int]) -> torch.Tensor:
         """Page ids as an index on the device, copied asynchronously: a plain torch.tensor(...,
@@ -432,8 +515,8 @@ class PageMover:
         return t.pin_memory().to(self.dev.device, non_blocking=True)
 
     def _run(self, src: int | None, src_pages: list[int], dst: int | None, dst_pages) -> None:
-        if src is None and dst is None:
-            self.copy_now(src_pages, dst_pages)
+        if src is None and dst is None:  # part of a flush: mirrored with it, not as a copy
+            self._copy(src_pages, dst_pages)
         elif src is None:
             self._store(src_pages, self.tiers[dst], dst_pages)
         elif dst is None:

@@ -89,7 +89,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from swaserve.memory.host_cache import OffloadPool, PageMover, build_tiers
+from swaserve.memory.host_cache import OffloadPool, PageMover, config_tiers
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager
 from swaserve.memory.pool import NULL_PAGE
@@ -1122,9 +1122,10 @@ class RadixCache:
                         f"{dev_owner[p]} in the tree"
 
 
-def build_prefix_cache(config, memory: MemoryManager, kv: KVPool) -> RadixCache | None:
+def build_prefix_cache(config, memory: MemoryManager, kv: KVPool, tp=None) -> RadixCache | None:
     """The cache an EngineConfig asks for: None with --disable-prefix-cache; offload tiers
-    from --host-cache-gb / --disk-cache-dir / --disk-cache-gb, policy --host-cache-policy."""
+    from --host-cache-gb / --disk-cache-dir / --disk-cache-gb, policy --host-cache-policy.
+    `tp`: rank 0's TPGroup with T > 1 (the workers build their tiers alike, worker.py)."""
     if config.host_cache_policy not in ("write_back", "write_through"):
         raise ValueError(
             f"invalid host_cache_policy={config.host_cache_policy!r}: "
@@ -1137,5 +1138,5 @@ def build_prefix_cache(config, memory: MemoryManager, kv: KVPool) -> RadixCache 
         raise ValueError("disk_cache_gb needs disk_cache_dir")
     if config.disable_prefix_cache:
         return None
-    tiers = build_tiers(kv, config.host_cache_gb, config.disk_cache_dir, disk_gb)
+    tiers = config_tiers(config, kv, tp)
     return RadixCache(memory, kv, tiers, write_through=config.host_cache_policy == "write_through")
