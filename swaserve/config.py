@@ -168,14 +168,18 @@ class EngineConfig:
         # acceptance on rank 0. n-gram drafts on rank 0 alone; DFlash's drafter is sharded like
         # the target and every drafter forward runs on every rank (distributed/dflash_tp.py;
         # tests/unit/test_tensor_parallel.py, test_dflash_tp.py). With
-        # --enable-expert-parallel DFlash is refused in _check_expert_parallel.
+        # --enable-expert-parallel DFlash is refused in _check_expert_parallel. Host and disk
+        # tiers: rank 0 decides, every rank moves its shard (memory/host_cache.py,
+        # tests/unit/test_tp_host_cache.py); inside expert-parallel ranks no test covers them yet.
+        ep = self.enable_expert_parallel
         unsupported = [
-            ("host_cache_gb", self.host_cache_gb > 0),
-            ("disk_cache_dir", self.disk_cache_dir is not None),
-        ]
-        for name, on in unsupported:
+            ("host_cache_gb", ep and self.host_cache_gb > 0, " and --enable-expert-parallel"),
+            ("disk_cache_dir", ep and self.disk_cache_dir is not None,
+             " and --enable-expert-parallel"),
+        ]  # fmt: skip
+        for name, on, also in unsupported:
             if on:
-                raise bad(name, f"is not supported with --tensor-parallel-size {tp} yet")
+                raise bad(name, f"is not supported with --tensor-parallel-size {tp}{also} yet")
 
     def _check_nodes(self, bad) -> None:
         """--nnodes N: the ranks spread evenly over N machines. What spans them: with
@@ -430,17 +434,22 @@ FLAGS: dict[str, FlagInfo] = {
     ),
     # cache
     "disable_prefix_cache": FlagInfo("cache", "no prefix cache: no KV reuse across requests"),
-    "host_cache_gb": FlagInfo("cache", "host-memory tier of the prefix cache in GiB; 0: none"),
+    "host_cache_gb": FlagInfo(
+        "cache", "host-memory tier of the prefix cache in GiB, per tensor-parallel rank (each "
+        "holds its shard of the KV heads); 0: none"
+    ),
     "host_cache_policy": FlagInfo(
         "cache",
         "write_back: pages go to the host tier when evicted; write_through: once cached",
         ("write_back", "write_through"),
     ),
     "disk_cache_dir": FlagInfo(
-        "cache", "folder of a disk tier of the prefix cache", default="no disk tier"
+        "cache", "folder of a disk tier of the prefix cache (with -tp T, each rank's file in its "
+        "subfolder tpT-rankR)", default="no disk tier"
     ),
     "disk_cache_gb": FlagInfo(
-        "cache", "disk tier size in GiB", default="min(16, half the folder's free space)"
+        "cache", "disk tier size in GiB, per tensor-parallel rank",
+        default="min(16, half the folder's free space)"
     ),
     # speculative decoding
     "speculative_algorithm": FlagInfo(

@@ -24,6 +24,12 @@ Every message starts with a header, HEADER int64 words over the gloo group:
     CONTEXT  the drafter's context K/V of the last FORWARD's tokens, from each rank's own kept
              target outputs (no payload: the worker holds that forward's batch)
     STOP     the worker returns
+    MOVES    a = flush number, b = payload length: payload (gloo) the flush's page copies of
+             the prefix cache's offload tiers (host_cache.py), in order, each op
+             src tier | dst tier | n | src pages[n] | dst pages[n] (tier -1: the device pool);
+             the worker replays them on its own pool and tiers before the next forward
+    LANDED   a = flush number: rank 0 saw that flush's loads land; the worker orders its compute
+             stream after its own loads of it (and of every earlier flush)
 
 A step's positions are not sent: request r's run from context_lens[r] for query_lens[r] tokens.
 """
@@ -37,11 +43,14 @@ import torch.nn.functional as F
 
 from swaserve.attention.base import AttentionInputs
 from swaserve.distributed.parallel_state import TPGroup
+from swaserve.memory.host_cache import Op
 
 HEADER = 4
 FORWARD, LOGITS, COPY, STOP = 1, 2, 3, 4
 MOE = 8  # (5-7 are ep_wire's, whose STOP is this one)
-DRAFT, CONTEXT = 9, 10  # DFlash (11 is free for it; 12-14 are taken elsewhere)
+DRAFT, CONTEXT = 9, 10  # DFlash (11 free)
+MOVES, LANDED = 12, 13  # the offload tiers (14 kept for them)
+DEVICE = -1  # a MOVES op's tier for the device pool
 
 
 @dataclass
@@ -59,6 +68,8 @@ class Message:
     head: torch.Tensor | None = None  # DRAFT: [2, R] x_c and c, on the host
     tables: list[torch.Tensor] | None = None  # DRAFT: per drafter group [R, W], on the host
     width: int = 0  # DRAFT: context keys per request
+    flush: int = 0  # MOVES, LANDED
+    moves: list[Op] | None = None  # MOVES
 
 
 class StepWire:
@@ -108,6 +119,16 @@ class StepWire:
     def send_context(self) -> None:
         self._header(CONTEXT)
 
+    def send_moves(self, flush: int, ops: list[Op]) -> None:
+        words: list[int] = []
+        for src, src_pages, dst, dst_pages in ops:
+            words += [_tier(src), _tier(dst), len(src_pages), *src_pages, *dst_pages]
+        self._header(MOVES, flush, len(words))
+        self.tp.broadcast(torch.tensor(words, dtype=torch.int64), on_cpu=True)
+
+    def send_landed(self, flush: int) -> None:
+        self._header(LANDED, flush)
+
     def send_stop(self) -> None:
         self._header(STOP)
 
@@ -140,6 +161,10 @@ class StepWire:
             return Message(op, sizes=self._payload(b), fixed=bool(a))
         if op == DRAFT:
             return self._recv_draft(a, b, c)
+        if op == MOVES:
+            return Message(op, flush=a, moves=_ops(self._payload(b)))
+        if op == LANDED:
+            return Message(op, flush=a)
         if op in (CONTEXT, STOP):
             return Message(op)
         raise RuntimeError(f"step wire: unknown op {op}")
@@ -153,3 +178,20 @@ class StepWire:
 
     def _payload(self, n: int) -> list[int]:
         return self.tp.broadcast(torch.empty(n, dtype=torch.int64), on_cpu=True).tolist()
+
+
+def _tier(t: int | None) -> int:
+    return DEVICE if t is None else t
+
+
+def _ops(words: list[int]) -> list[Op]:
+    """MOVES' payload back into the flush's ops."""
+    ops: list[Op] = []
+    i = 0
+    while i < len(words):
+        src, dst, n = words[i : i + 3]
+        pages = words[i + 3 : i + 3 + 2 * n]
+        ops.append((None if src == DEVICE else src, pages[:n],
+                    None if dst == DEVICE else dst, pages[n:]))  # fmt: skip
+        i += 3 + 2 * n
+    return ops

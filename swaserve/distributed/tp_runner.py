@@ -6,6 +6,9 @@ shards and meet rank 0 in every collective of it.
     forward(fb)               the model; its all-reduces pair with the workers' forward
     logits(hidden)            LOGITS: the rows; every rank's vocabulary shard, gathered here
     mirror_copies(src, dst)   COPY: the prefix cache's copy-on-write, made on every rank
+    mirror_moves(n, ops)      MOVES: a flush of the offload tiers' copies, replayed on every
+                              rank's pool and tiers (its own shard of the bytes)
+    mirror_landed(n)          LANDED: rank 0 saw flush n's loads land (host_cache.py)
     announce_moe_step(...)    MOE: an expert-parallel step's sizes, before its forward (ep_tp.py)
 
 Sampling, the scheduler, the memory manager and the prefix cache stay on rank 0; page ids mean
@@ -23,6 +26,7 @@ from swaserve.distributed.launch import TensorParallel
 from swaserve.distributed.step_wire import StepWire
 from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.engine.model_runner import ModelRunner
+from swaserve.memory.host_cache import Op
 from swaserve.memory.kv_pool import KVPool
 
 
@@ -65,6 +69,14 @@ class TPModelRunner(ModelRunner):
     def mirror_copies(self, src: list[int], dst: list[int]) -> None:
         with self.parallel.guard():
             self.wire.send_copies(src, dst)
+
+    def mirror_moves(self, flush: int, ops: list[Op]) -> None:
+        with self.parallel.guard():
+            self.wire.send_moves(flush, ops)
+
+    def mirror_landed(self, flush: int) -> None:
+        with self.parallel.guard():
+            self.wire.send_landed(flush)
 
     def announce_moe_step(self, sizes: list[int], fixed: bool) -> None:
         with self.parallel.guard():

@@ -7,7 +7,9 @@ heads, calibrate FP8 scales (the largest over the ranks). Then `serve_steps` mir
 messages (step_wire.py) until STOP or until rank 0 is gone (the next wait fails).
 No scheduler, memory manager, prefix cache or sampler here: rank 0 decides, the workers run.
 With a DFlash drafter a worker holds its shard too, its layers in the pool after the target's,
-and runs every drafter forward and context K/V store rank 0 announces (dflash_tp.py).
+and runs every drafter forward and context K/V store rank 0 announces (dflash_tp.py). With
+offload tiers a worker holds its own (same slots, its shard of each page) and replays rank
+0's page movements on them (`tier_mover`).
 Inside a rank of DP attention + expert parallelism the worker also holds experts of its own and
 joins its tensor-parallel index's expert-parallel group (ep_tp.py) before building its shard.
 """
@@ -32,12 +34,15 @@ from swaserve.distributed.step_wire import (
     COPY,
     DRAFT,
     FORWARD,
+    LANDED,
     LOGITS,
     MOE,
+    MOVES,
     STOP,
     StepWire,
 )
 from swaserve.engine.model_runner import ModelRunner
+from swaserve.memory.host_cache import PageMover, config_tiers
 
 log = logging.getLogger("swaserve.worker")
 
@@ -68,15 +73,20 @@ def worker_main(rank: int, spec_json: str) -> None:
             from swaserve.distributed.ep_tp import join_as_worker
 
             ep = join_as_worker(spec["expert_parallel"], tp, device)
-        runner, proposer = build_shard(config, Path(spec["folder"]), tp, ep)
-        serve_steps(
-            runner,
-            StepWire(
-                tp, int(runner.model.config.hidden_size), next(runner.model.parameters()).dtype
-            ),
-            ep,
-            proposer,
-        )
+        runner, proposer, mover = build_shard(config, Path(spec["folder"]), tp, ep)
+        try:
+            serve_steps(
+                runner,
+                StepWire(
+                    tp, int(runner.model.config.hidden_size), next(runner.model.parameters()).dtype
+                ),
+                ep,
+                proposer,
+                mover,
+            )
+        finally:
+            for tier in mover.tiers if mover is not None else ():
+                tier.close()
     except RuntimeError as e:
         # gloo's word for a vanished rank 0 (a dead expert-parallel peer is a RankFailure)
         if "Connection closed by peer" in str(e) and not isinstance(e, RankFailure):
@@ -91,10 +101,11 @@ def worker_main(rank: int, spec_json: str) -> None:
 
 def build_shard(
     config: EngineConfig, folder: Path, tp: TPGroup, ep: ExpertParallel | None = None
-) -> tuple[ModelRunner, TPDFlashProposer | None]:
+) -> tuple[ModelRunner, TPDFlashProposer | None, PageMover | None]:
     """This rank's model shard and KV pool, built as EngineCore builds rank 0's (`ep`: with
-    experts of its own, in its expert-parallel group), and its DFlash drafter shard if any
-    (its layers in the pool after the target's; the runner keeps its target_layer_ids)."""
+    experts of its own, in its expert-parallel group), its offload tiers if any
+    (`tier_mover`), and its DFlash drafter shard if any (its layers in the pool after the
+    target's; the runner keeps its target_layer_ids)."""
     from swaserve.attention import backend_class
     from swaserve.distributed.layers import kv_heads_per_rank
     from swaserve.engine.core import agree_kv_scales, kv_budget_bytes
@@ -167,11 +178,24 @@ def build_shard(
         kv_heads,
     )
     runner = ModelRunner(model, kv, backend, device)
+    # In rank 0's order (EngineCore): the prefix cache's tiers, whose page counts agree, then
+    # the drafter, whose FP8 scales agree; two collectives of one kind, so the order matters.
+    mover = tier_mover(config, runner, tp)
     if dflash is None:
-        return runner, None
+        return runner, None, mover
     proposer = build_proposer(dflash, model, layout, kv, config, tp)
     runner.keep = dflash.cfg.target_layer_ids
-    return runner, proposer
+    return runner, proposer, mover
+
+
+def tier_mover(config: EngineConfig, runner: ModelRunner, tp: TPGroup) -> PageMover | None:
+    """This rank's offload tiers and the mover that replays rank 0's flushes on them; None
+    without tiers. Built where rank 0 builds its tiers in its start-up (build_prefix_cache,
+    after the KV pool, before the drafter), as their page counts agree (a collective)."""
+    if config.disable_prefix_cache:
+        return None
+    tiers = config_tiers(config, runner.kv, tp)
+    return PageMover(runner.kv, tiers) if tiers else None
 
 
 def serve_steps(
@@ -179,6 +203,7 @@ def serve_steps(
     wire: StepWire,
     ep: ExpertParallel | None = None,
     proposer: TPDFlashProposer | None = None,
+    mover: PageMover | None = None,
 ) -> None:
     """Mirror rank 0's messages (step_wire.py) until STOP."""
     fb = None  # the last FORWARD's batch: a CONTEXT stores the drafter's K/V of its tokens
@@ -203,5 +228,9 @@ def serve_steps(
                 wire.tp.gather(runner.model.compute_logits(msg.hidden).float().contiguous())
             elif msg.op == COPY:
                 runner.kv.copy_pages(msg.src, msg.dst)
+            elif msg.op == MOVES:
+                mover.replay(msg.flush, msg.moves)
+            elif msg.op == LANDED:
+                mover.follow(msg.flush)
             elif msg.op == STOP:
                 return

@@ -193,7 +193,8 @@ class EngineCore:
         )
         if self.kv.is_fp8:
             self._set_fp8_scales(kv_heads, head_dim)
-        self.cache = build_prefix_cache(config, self.memory, self.kv)
+        # With T > 1 each worker builds its tiers here too (worker.py): their page counts agree.
+        self.cache = build_prefix_cache(config, self.memory, self.kv, tp)
         self.scheduler = Scheduler(
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache,
             config.schedule_conservativeness,
@@ -204,8 +205,11 @@ class EngineCore:
             from swaserve.distributed.tp_runner import TPModelRunner
 
             self.runner = TPModelRunner(self.model, self.kv, backend, self.device, self.parallel)
-            if self.cache is not None:  # copy-on-write copies: made on every rank
-                self.cache.mover.mirror = self.runner.mirror_copies
+            if self.cache is not None:  # copy-on-write copies and tier moves: on every rank
+                mover = self.cache.mover
+                mover.mirror = self.runner.mirror_copies
+                mover.mirror_moves = self.runner.mirror_moves
+                mover.mirror_landed = self.runner.mirror_landed
             if self.ep is not None:  # each agreed step's sizes: to the workers (ep_tp.py)
                 self.ep.announce = self.runner.announce_moe_step
         # --seed makes unseeded sampling reproducible run to run (seeded requests use their own)

@@ -33,7 +33,9 @@ def test_what_is_refused_names_itself():
         (dict(speculative_algorithm="dflash"), "--speculative-algorithm",
          "is not supported with --enable-expert-parallel yet"),
         (dict(host_cache_gb=1.0), "--host-cache-gb",
-         "is not supported with --tensor-parallel-size 2 yet"),
+         "is not supported with --tensor-parallel-size 2 and --enable-expert-parallel yet"),
+        (dict(disk_cache_dir="/tmp/x"), "--disk-cache-dir",
+         "is not supported with --tensor-parallel-size 2 and --enable-expert-parallel yet"),
         (dict(nnodes=3, dist_init_addr="127.0.0.1:1234"), "--nnodes",
          r"must be >= 1 and divide --data-parallel-size \(2\)"),
     ]:  # fmt: skip

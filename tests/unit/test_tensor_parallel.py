@@ -3,7 +3,8 @@ float32 (within 1e-4) on tiny random Llama (a vocabulary not divisible by 2, one
 heads replicated), Qwen3 (tied embeddings), Gemma 3 (prompts past its window, prefix hits with
 copy-on-write mirrored), Qwen3-MoE and gpt-oss; chunked prefill throughout. The weights of each
 rank's shard equal the slices of the full tensors (checkpoint and dummy); a killed worker is a
-clear error within seconds; flags that do not run with TP are refused; the NCCL guard decides.
+clear error within seconds; flags that do not run with TP are refused, the host and disk tiers
+accepted (test_tp_host_cache.py runs them); the NCCL guard decides.
 
 Engines start once per model (a module-scoped fixture per model, one TP=2 engine alive at a
 time). The server with -tp 2 is the slow test at the end.
@@ -227,12 +228,9 @@ def test_flags_refused_with_tp_name_themselves(folders):
                        r"--tensor-parallel-size alone\)"):  # fmt: skip
         EngineConfig(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,
                      speculative_algorithm="dflash")
-    for kwargs, flag in [
-        (dict(host_cache_gb=1.0), "--host-cache-gb"),
-        (dict(disk_cache_dir="/tmp/x"), "--disk-cache-dir"),
-    ]:
-        with pytest.raises(ValueError, match=rf"^invalid {flag} .*tensor-parallel-size 2"):
-            EngineConfig(tensor_parallel_size=2, **kwargs)
+    # the prefix cache's host and disk tiers run under TP (test_tp_host_cache.py)
+    cfg = EngineConfig(tensor_parallel_size=2, host_cache_gb=1.0, disk_cache_dir="/tmp/x")
+    assert (cfg.host_cache_gb, cfg.disk_cache_dir) == (1.0, "/tmp/x")
     with pytest.raises(ValueError, match=r"^invalid --tensor-parallel-size 0"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"^invalid --nnodes 3 .*divide"):
@@ -256,6 +254,9 @@ def test_tp_flag_and_its_short_form():
     for argv in (["-tp", "2"], ["--tensor-parallel-size", "2"]):
         cfg = EngineConfig(**engine_kwargs(p.parse_args(argv)))
         assert cfg.tensor_parallel_size == 2 and cfg.nnodes == 1 and cfg.dist_init_addr is None
+    argv = ["-tp", "2", "--host-cache-gb", "1", "--disk-cache-dir", "/tmp/x"]
+    cfg = EngineConfig(**engine_kwargs(p.parse_args(argv)))
+    assert (cfg.host_cache_gb, cfg.disk_cache_dir) == (1.0, "/tmp/x")
 
 
 def test_nccl_graph_register_guard():
