@@ -125,9 +125,11 @@ def test_tp2_drafts_tokens_and_metrics_equal_one_process(folders):
 def test_tp2_fp8_kv_scales_and_tokens_equal_one_process(folders):
     """FP8 KV: each rank calibrates the drafter's pool layers on its own heads (the target's
     calibration forward on both ranks), and the largest over the ranks is one process's scale;
-    greedy tokens then equal one process's."""
+    greedy tokens then equal one process's. With a host tier too: each worker builds its tiers
+    (their page counts agree) before its drafter (its scales agree), in rank 0's order."""
     target_dir, drafter_dir, _ = folders
-    kw = dict(max_num_batched_tokens=12, kv_cache_gb=0.002, kv_cache_dtype="fp8_e4m3")
+    kw = dict(max_num_batched_tokens=12, kv_cache_gb=0.002, kv_cache_dtype="fp8_e4m3",
+              host_cache_gb=0.001)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = _prompts()
     faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
