@@ -15,7 +15,7 @@ Runs on CPU (acceptance only is meaningful there) and GPU. Prints a table last; 
 $OUT/spec_dflash.json.
 Usage: PYTHONPATH=. python benchmarks/spec_dflash.py [--drafter DIR] [--model smollm2-135m-instruct]
        [--tokens 128] [--concurrency 1 8 32 128] [--workload chat|summarise] [--device cuda]
-       [--passes N]
+       [--passes N] [--steady R: C requests kept running, R x C prompts]
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, dict]:
     """The engines compared: speculation off, then each drafter gated and "-all"
     (--disable-adaptive-speculation: every decode step drafts)."""
     common = dict(device=args.device, dtype=args.dtype, seed=0)
+    if args.steady:  # one concurrency per process (child_runs): at most C requests run
+        common["max_num_seqs"] = args.concurrency[0]
     on_gpu = torch.cuda.is_available() and args.device in ("auto", "cuda")
     common["kv_cache_gb"] = 8 if on_gpu else 1
     out = {"off": common}
@@ -134,7 +136,8 @@ def measure(args: argparse.Namespace, name: str, eng: Engine) -> list[dict]:
     out = []
     for c in args.concurrency:
         solo = c == 1
-        prompts = chat_ids(eng, args.solo_prompts if solo else c, args.workload)
+        n = args.solo_prompts if solo else c * max(1, args.steady)
+        prompts = chat_ids(eng, n, args.workload)
         run(eng, prompts, args.tokens, one_by_one=solo)
         dt, spec_ct = 0.0, {"verify": 0, "accepted": 0}
         for _ in range(args.passes):  # one pass at 128 lasts ~0.3 s: too short to compare
@@ -146,11 +149,16 @@ def measure(args: argparse.Namespace, name: str, eng: Engine) -> list[dict]:
 
 
 def child_runs(args: argparse.Namespace, name: str) -> list[dict]:
-    """`measure` in a fresh process (nothing of another engine in its memory or its GC)."""
+    """`measure` in a fresh process (nothing of another engine in its memory or its GC); with
+    --steady one process per concurrency (its max_num_seqs is that concurrency)."""
+    if args.steady and len(args.concurrency) > 1:
+        return [r for c in args.concurrency
+                for r in child_runs(argparse.Namespace(**{**vars(args), "concurrency": [c]}),
+                                    name)]
     argv = [sys.executable, __file__, "--child", name, "--model", args.model,
             "--tokens", str(args.tokens), "--device", args.device, "--dtype", args.dtype,
             "--workload", args.workload, "--solo-prompts", str(args.solo_prompts),
-            "--passes", str(args.passes),
+            "--passes", str(args.passes), "--steady", str(args.steady),
             "--concurrency", *map(str, args.concurrency)]
     if args.drafter:
         argv += ["--drafter", args.drafter]
@@ -184,6 +192,10 @@ def main() -> None:
                     help="which to run (off always runs: the others are compared with it)")
     ap.add_argument("--in-process", action="store_true",
                     help="every engine in this process (default: each in a fresh one)")
+    ap.add_argument("--steady", type=int, default=0, metavar="R",
+                    help="concurrency C > 1 keeps C requests running: max_num_seqs C and R x C "
+                         "prompts, each C in its own process (default 0: C prompts at once, "
+                         "the batch shrinking as they end)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:  # one engine, results on stdout for the parent
@@ -192,12 +204,15 @@ def main() -> None:
         print(RESULT + json.dumps(measure(args, args.child, eng)), flush=True)
         return
     args.engines = ["off"] + [n for n in args.engines if n != "off"]
+    if args.steady and args.in_process:
+        ap.error("--steady runs each concurrency in its own process: not with --in-process")
     runs = {}
     for name, kw in engine_kwargs(args).items():
         runs[name] = (measure(args, name, Engine(model=args.model, **kw)) if args.in_process
                       else child_runs(args, name))
     rows = []
     record = {"model": args.model, "drafter": args.drafter, "workload": args.workload,
+              "steady": args.steady,
               "in_process": args.in_process, "runs": []}
     for i, c in enumerate(args.concurrency):
         solo = c == 1
@@ -214,7 +229,10 @@ def main() -> None:
             v = m["verify"]
             accept = (m["accepted"] + v) / v if v else None
             r = {"concurrency": c, "drafter": name, "seconds": dt,
-                 "ms_per_token": dt / (n_tok if solo else max(map(len, toks))) * 1e3,
+                 # a step's time: over every token one by one; else per token of a request
+                 # (steady: C of them run at once; else the longest answer's steps)
+                 "ms_per_token": dt / (n_tok if solo else n_tok / c if args.steady
+                                       else max(map(len, toks))) * 1e3,
                  "tokens": n_tok, "tok_s": n_tok / dt, "verify_steps": v,
                  "speedup": n_tok / dt / base_rate, "accept_length": accept,
                  "equal_leading": equal}
@@ -226,6 +244,8 @@ def main() -> None:
         with open(os.path.join(out, "spec_dflash.json"), "w") as f:
             json.dump(record, f, indent=1)
     how = "one process" if args.in_process else "a process per engine"
+    if args.steady:
+        how += f", steady: C running of {args.steady} x C prompts"
     print(f"\n{args.model}, {args.workload}, drafter {args.drafter}, {how}, greedy, at most "
           f"{args.tokens} tokens per "
           f"request (to EOS); concurrency 1: {args.solo_prompts} prompts one by one")
