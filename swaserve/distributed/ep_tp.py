@@ -67,6 +67,7 @@ from swaserve.distributed.parallel_state import (
     expert_group_store,
     open_store,
 )
+from swaserve.speculative.dflash_config import DFlashConfig
 
 
 def join_as_worker(place: dict, tp: TPGroup, device: torch.device) -> ExpertParallel:
@@ -99,17 +100,21 @@ def join_as_worker(place: dict, tp: TPGroup, device: torch.device) -> ExpertPara
 
 
 def attach_worker(
-    ep: ExpertParallel, model: torch.nn.Module, tp: TPGroup, config: EngineConfig
+    ep: ExpertParallel,
+    model: torch.nn.Module,
+    tp: TPGroup,
+    config: EngineConfig,
+    dflash: DFlashConfig | None = None,
 ) -> None:
     """A worker's model (built with its experts) joins the exchange, with the decode workspace
-    its core allocates: the same N, from the same config and the same drafts per verify (n-gram
-    speculation; DFlash is refused under expert parallelism: config.py). A worker's N that
-    differed from its rank 0's would pad the fixed-path collectives to other shapes."""
+    its core allocates: the same N, from the same config and the same K drafts per verify
+    (`dflash`: the DFlash drafter's config, whose block gives K; n-gram's from the config). A
+    worker's N that differed from its rank 0's would pad the fixed-path collectives to other
+    shapes."""
     from swaserve.distributed.decode_workspace import decode_cap
-    from swaserve.engine.speculation import ngram_num_drafts
+    from swaserve.engine.speculation import num_draft_tokens
 
     ep.attach(model, tp)
-    drafts = ngram_num_drafts(config) if config.speculative_algorithm == "ngram" else 0
-    cap = decode_cap(config, drafts)
+    cap = decode_cap(config, num_draft_tokens(config, dflash))
     if cap:
         ep.enable_decode_workspace(cap)

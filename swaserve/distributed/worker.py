@@ -122,15 +122,15 @@ def build_shard(
     max_model_len = check_model_len(config.max_model_len, int(hf.max_position_embeddings))
     model = build_model(hf, folder, dtype, device, config.load_format == "dummy", config.seed, tp,
                         ep=None if ep is None else ep.experts_place)  # fmt: skip
+    dflash = dflash_setup(config, hf)  # its config only (its K sizes the decode workspace)
     if ep is not None:  # before the start-up forwards: their MoE layers join the exchange
         from swaserve.distributed.ep_tp import attach_worker
 
-        attach_worker(ep, model, tp, config)
+        attach_worker(ep, model, tp, config, dflash.cfg if dflash is not None else None)
     if device.type == "cuda" and not config.disable_fused_ops:
         from swaserve.ops import enable_fused_ops
 
         enable_fused_ops(model)
-    dflash = dflash_setup(config, hf)
     windows = layer_windows(hf) + (list(dflash.cfg.layer_windows) if dflash else [])
     layout = build_layout(windows, all_full=config.disable_hybrid_kv_cache)
     kv_heads, head_dim = kv_heads_per_rank(hf.num_key_value_heads, tp.size), head_dim_of(hf)

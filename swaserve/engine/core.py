@@ -255,10 +255,12 @@ class EngineCore:
     def _start_decode_workspace(self) -> None:
         """Expert parallelism: the fixed-shape MoE workspace of decode-only steps and the
         scheduler's cap that keeps every such step within it (distributed/decode_workspace.py).
-        Every rank runs this with the same config: the same N everywhere."""
+        Every rank runs this with the same config: the same N everywhere (and with -tp its
+        workers, from the same config and drafter: ep_tp.attach_worker)."""
         from swaserve.distributed.decode_workspace import decode_cap
+        from swaserve.engine.speculation import num_draft_tokens
 
-        drafts = self.spec.k if self.spec is not None else 0
+        drafts = num_draft_tokens(self.config, self.dflash_config)  # the K of self.spec
         cap = decode_cap(self.config, drafts)
         if cap == 0:
             log.info("MoE decode workspace: off (every step exchanges variable-size buffers)")

@@ -35,7 +35,7 @@ from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.sampler import Sampler, SamplingRow
-from swaserve.speculative.dflash_config import check_num_draft_tokens
+from swaserve.speculative.dflash_config import DFlashConfig, check_num_draft_tokens
 from swaserve.speculative.dflash_proposer import DFlashProposer
 from swaserve.speculative.gate import DraftGate
 from swaserve.speculative.metrics import SpecStats
@@ -45,11 +45,23 @@ from swaserve.speculative.verify import verify_drafts
 NGRAM_DEFAULT_DRAFTS = 4
 
 
-def ngram_num_drafts(config) -> int:
-    """The n-gram drafter's K for a config: the flag or the default, within the token budget
-    (a verify chunk is K + 1 tokens). Tensor-parallel workers under expert parallelism size
-    their MoE decode workspace with it, as their rank 0 does (distributed/ep_tp.py)."""
-    k = config.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFTS
+def num_draft_tokens(config, dflash: DFlashConfig | None = None) -> int:
+    """K, the drafts per verify step, for a config: 0 without speculation; the n-gram
+    drafter's flag or default; DFlash's flag (1..block_size - 1) or block_size - 1 from its
+    checkpoint (`dflash`: its config); either within the token budget (a verify chunk is K + 1
+    tokens). Under expert parallelism every process of a rank sizes its MoE decode workspace
+    for K + 1 tokens a request with it (EngineCore._start_decode_workspace, and the -tp
+    workers' ep_tp.attach_worker): a worker's K that differed from its core's would pad the
+    fixed-path collectives to other shapes."""
+    algo = config.speculative_algorithm
+    if algo is None:
+        return 0
+    if algo == "ngram":
+        k = config.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFTS
+    elif algo == "dflash" and dflash is not None:
+        k = check_num_draft_tokens(config.speculative_num_draft_tokens, dflash)
+    else:
+        raise ValueError(f"--speculative-algorithm {algo}: not available in this build")
     return min(k, config.max_num_batched_tokens - 1)
 
 
@@ -75,18 +87,11 @@ class Speculation:
         """`dflash`: the DFlash proposer (its drafter's K/V in `kv`, pages from `memory`);
         otherwise the n-gram drafter. `drafter` (an object with `propose(tokens, k)`) wins
         over DFlash when set (tests plant oracle drafters there)."""
-        algo = config.speculative_algorithm
         self.dflash = dflash
         self.drafter = None
-        if algo == "ngram":
+        if config.speculative_algorithm == "ngram":
             self.drafter = NgramDrafter(config.speculative_ngram_min, config.speculative_ngram_max)
-            self.k = ngram_num_drafts(config)
-        elif algo == "dflash" and dflash is not None:
-            self.k = check_num_draft_tokens(config.speculative_num_draft_tokens, dflash.cfg)
-        else:
-            raise ValueError(f"--speculative-algorithm {algo}: not available in this build")
-        # a verify chunk is at most the token budget
-        self.k = min(self.k, config.max_num_batched_tokens - 1)
+        self.k = num_draft_tokens(config, dflash.cfg if dflash is not None else None)
         self.gate = None if config.disable_adaptive_speculation else DraftGate()
         self.step_drafts = True  # this step's choice (decide)
         self.step_forced = False  # seeded sampling requests live: they draft regardless
