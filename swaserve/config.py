@@ -167,8 +167,8 @@ class EngineConfig:
         # Speculation: verify chunks are forwards like any other on every rank, drafts and
         # acceptance on rank 0. n-gram drafts on rank 0 alone; DFlash's drafter is sharded like
         # the target and every drafter forward runs on every rank (distributed/dflash_tp.py;
-        # tests/unit/test_tensor_parallel.py, test_dflash_tp.py). With
-        # --enable-expert-parallel DFlash is refused in _check_expert_parallel. Host and disk
+        # tests/unit/test_tensor_parallel.py, test_dflash_tp.py), inside expert-parallel ranks
+        # too (_check_expert_parallel). Host and disk
         # tiers: rank 0 decides, every rank moves its shard (memory/host_cache.py,
         # tests/unit/test_tp_host_cache.py); inside expert-parallel ranks no test covers them yet.
         ep = self.enable_expert_parallel
@@ -226,17 +226,18 @@ class EngineConfig:
         # with the model. With --nnodes the T processes of a rank stay on its node (their
         # rendezvous is local) and the expert-parallel groups of each tensor-parallel index span
         # the nodes through node 0's store.
-        # N-gram speculation runs per rank (each drafts for its own requests; verify forwards
-        # join the MoE exchange like any forward). With -tp inside the ranks, rank 0 of each
-        # drafts and accepts, its workers forward the verify chunks, and they size the decode
-        # workspace for K + 1 tokens a request as it does (ep_tp.attach_worker). DFlash
-        # stays refused until a test holds it here (it runs with plain -tp: dflash_tp.py): its
-        # context K/V come from the target's kept hidden states, and no test covers that over
-        # an expert-parallel target yet, nor its sharded drafter's forwards between the MoE
-        # steps of the ranks (a tiny DFlash drafter for gpt-oss / Qwen3-MoE would be the test).
-        if self.speculative_algorithm == "dflash":
-            raise bad("speculative_algorithm", "is not supported with --enable-expert-parallel "
-                      "yet (ngram is; dflash runs with --tensor-parallel-size alone)")
+        # Speculation runs per rank, n-gram and DFlash alike: each rank drafts for its own
+        # requests and its verify forwards join the MoE exchange like any forward (an idle rank
+        # joins with its idle forward); the drafter is dense and per rank, with no collective of
+        # the expert-parallel group, so a rank drafting while another does not waits in nothing
+        # but the next step's agreement. DFlash's context K/V come from the target's kept
+        # outputs of the rank's own forward, which are its own tokens' rows on either MoE path
+        # (the combine hands a rank its rows only). With -tp inside the ranks, rank 0 of each
+        # drafts and accepts, and its workers forward the verify chunks and run the DFlash
+        # drafter's shard and context stores when told (dflash_tp.py); every process sizes the
+        # decode workspace for K + 1 tokens a request from the same K (speculation.py
+        # num_draft_tokens; ep_tp.attach_worker). Tests: test_expert_parallel_spec.py,
+        # test_dp_tp_expert_parallel_spec.py (n-gram), test_dflash_ep.py (DFlash).
 
     def _check_disaggregation(self, bad) -> None:
         """A PD instance: what does not run inside a pair yet is refused before loading."""

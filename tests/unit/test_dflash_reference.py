@@ -60,30 +60,36 @@ def _target(kind: str, **shape) -> torch.nn.Module:
                 layer_types=[slide, slide, full] * 2,
             )
         )
-    # Tokens 1 and 2 win by the sign of the normed hidden state's first dimension, for the
-    # target and (through the same head) for the drafter: random weights then agree often
-    # enough that blocks commit several tokens.
+    _rig_head(model)
+    return model.eval()
+
+
+def _rig_head(model: torch.nn.Module) -> None:
+    """Tokens 1 and 2 win by the sign of the normed hidden state's first dimension, for the
+    target and (through the same head) for the drafter: random weights then agree often
+    enough that blocks commit several tokens."""
     with torch.no_grad():
         head = model.lm_head.weight
         head[1:3] = 0.0
         head[1, 0], head[2, 0] = 30.0, -30.0
-    return model.eval()
 
 
-def _drafter_raw(kind: str, **shape) -> dict:
+def _drafter_raw(kind: str, target_layer_ids: tuple[int, ...] = (1, 4), **shape) -> dict:
     """The drafter's config.json: full layers and explicit ids for Qwen3; for Gemma 3 a
-    sliding layer, the default ids (from num_target_layers) and the scaling fields."""
+    sliding layer, the default ids (from num_target_layers) and the scaling fields. `shape`:
+    overrides of its fields (another target's sizes: test_dflash_ep.py)."""
     raw = dict(
         _SHAPE,
-        **shape,
         architectures=["DFlashDraftModel"],
         model_type="qwen3",
         intermediate_size=48,
         num_hidden_layers=2,
         num_target_layers=6,
     )
+    raw.update(shape)
     if kind == "qwen3":
-        raw["dflash_config"] = {"block_size": 4, "mask_token_id": MASK, "target_layer_ids": [1, 4]}
+        ids = list(target_layer_ids)
+        raw["dflash_config"] = {"block_size": 4, "mask_token_id": MASK, "target_layer_ids": ids}
         return raw
     raw.update(
         use_sliding_window=True,

@@ -29,9 +29,8 @@ def _moe(**kw):
 def test_what_is_refused_names_itself():
     EngineConfig(**EP_TP)  # runs now
     EngineConfig(**EP_TP, speculative_algorithm="ngram")  # test_dp_tp_expert_parallel_spec.py
+    EngineConfig(**EP_TP, speculative_algorithm="dflash")  # test_dflash_ep.py
     for kwargs, flag, why in [
-        (dict(speculative_algorithm="dflash"), "--speculative-algorithm",
-         "is not supported with --enable-expert-parallel yet"),
         (dict(host_cache_gb=1.0), "--host-cache-gb",
          "is not supported with --tensor-parallel-size 2 and --enable-expert-parallel yet"),
         (dict(disk_cache_dir="/tmp/x"), "--disk-cache-dir",

@@ -415,8 +415,8 @@ def test_killed_rank_is_a_clear_error_within_seconds(folders):
 def test_bad_flags_fail_at_start(folders):
     with pytest.raises(ValueError, match=r"^invalid --enable-expert-parallel .*--data-parallel"):
         EngineConfig(enable_expert_parallel=True)
+    EngineConfig(**EP, speculative_algorithm="dflash")  # runs: test_dflash_ep.py
     for kwargs, flag in [
-        (dict(speculative_algorithm="dflash"), "--speculative-algorithm"),
         (dict(moe_decode_max_tokens_per_rank=-1), "--moe-decode-max-tokens-per-rank"),
         (dict(nnodes=3, dist_init_addr="127.0.0.1:1"), "--nnodes"),  # 3 does not divide -dp 2
     ]:

@@ -221,13 +221,11 @@ def test_killed_worker_is_a_clear_error_within_seconds(folders):
 
 
 def test_flags_refused_with_tp_name_themselves(folders):
-    # DFlash runs with -tp (test_dflash_tp.py), not with expert parallelism yet
+    # DFlash runs with -tp (test_dflash_tp.py), inside expert-parallel ranks too
+    # (test_dflash_ep.py)
     EngineConfig(tensor_parallel_size=2, speculative_algorithm="dflash")
-    with pytest.raises(ValueError, match=r"^invalid --speculative-algorithm .*"
-                       r"--enable-expert-parallel yet \(ngram is; dflash runs with "
-                       r"--tensor-parallel-size alone\)"):  # fmt: skip
-        EngineConfig(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,
-                     speculative_algorithm="dflash")
+    EngineConfig(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,
+                 speculative_algorithm="dflash")
     # the prefix cache's host and disk tiers run under TP (test_tp_host_cache.py)
     cfg = EngineConfig(tensor_parallel_size=2, host_cache_gb=1.0, disk_cache_dir="/tmp/x")
     assert (cfg.host_cache_gb, cfg.disk_cache_dir) == (1.0, "/tmp/x")
