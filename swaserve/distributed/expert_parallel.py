@@ -30,9 +30,12 @@ reduce-scatter; an all-to-all that sends each token only to its experts' ranks c
 behind the same two calls. Decode-only steps use `FixedExchange` instead (the same collectives
 on buffers of N rows per rank, allocated once: decode_workspace.py).
 
-Speculative decoding (n-gram) needs nothing more: each rank drafts for its own requests, a
-verify chunk is K + 1 tokens of the rank's step like any chunk (counted in the agreement and
-against the cap), and a rank without requests joins the verify step with an idle forward.
+Speculative decoding (n-gram or DFlash) needs nothing more: each rank drafts for its own
+requests (a DFlash drafter is dense: no collective of this group inside it), a verify chunk is
+K + 1 tokens of the rank's step like any chunk (counted in the agreement and against the cap),
+and a rank without requests joins the verify step with an idle forward. DFlash's context K/V
+read the target's kept layer outputs of the rank's forward: its own rows, as the combine
+returns them on either path; an idle forward keeps nothing and stores no context.
 
 Every collective runs under `guard()`: a failure caused by a rank that died is re-raised as a
 `RankFailure` naming it (`explain`, given by the launcher), never a hang.
