@@ -26,6 +26,8 @@ layer among two sparse ones), the drafter test_dflash_reference's, both with its
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from swaserve import Engine
@@ -95,15 +97,20 @@ def test_a_worker_sizes_its_workspace_for_dflash_verifies():
 # ---- slow: the engines --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """(target folder, drafter folder)."""
-    root = tmp_path_factory.mktemp("dflash-ep")
+def save_moe_target_and_drafter(root: Path) -> tuple[str, str]:
+    """The tiny Qwen3-MoE target (its head rigged) and its DFlash drafter, saved under `root`:
+    (target folder, drafter folder). Also tests/e2e/test_dflash_ep_server.py's."""
     target = save_random_hf_model(tiny_moe_config(tie_word_embeddings=False), root / "target")
     _rig_head(target)
     target.save_pretrained(root / "target")
     _reference("qwen3", **DRAFTER).save_pretrained(root / "drafter")
     return str(root / "target"), str(root / "drafter")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(target folder, drafter folder)."""
+    return save_moe_target_and_drafter(tmp_path_factory.mktemp("dflash-ep"))
 
 
 @pytest.fixture(scope="module")
