@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from swaserve.ops.activation import ACT_IDS, gated
+from swaserve.ops.pdl import pdl_enabled, pdl_launch, pdl_wait
 from swaserve.ops.rmsnorm import NormParams
 from swaserve.ops.rounding import round_to, rounded
 
@@ -85,8 +86,10 @@ def _gemv_kernel(
     INTERPRET: tl.constexpr,  # TRITON_INTERPRET=1: dots in float32 (bf16 tiles are raw there)
     NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL (ops/pdl.py)
 ):  # fmt: skip
     pid = tl.program_id(0)
+    pdl_wait(USE_PDL)  # x, the residual and Y belong to the kernels around this one
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_load = tl.minimum(rn, N - 1)  # rows past N load row N - 1 (unmasked) and are not stored
     rm = tl.arange(0, BLOCK_M)
@@ -183,6 +186,7 @@ def gemv(
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(1) == 1
     g = norm.weight if norm is not None else x
+    use_pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else x, residual if residual is not None else x,
         g, y, m, n, x.stride(0), weight.stride(0),
@@ -195,5 +199,6 @@ def gemv(
         BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        USE_PDL=use_pdl, **pdl_launch(use_pdl),
     )  # fmt: skip
     return y

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.ops.pdl import pdl_enabled, pdl_launch, pdl_wait
 from swaserve.ops.rounding import round_to, rounded
 
 TILE_ELEMENTS = 4096  # rows are packed into one program up to this many elements
@@ -55,7 +56,9 @@ def _rmsnorm_kernel(
     UNIT_OFFSET: tl.constexpr, X_UNIT_OFFSET: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_XW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL (ops/pdl.py)
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -111,6 +114,7 @@ def _launch(
     block_m = max(1, TILE_ELEMENTS // block_n)
     num_warps = min(16, max(4, block_m * block_n // 1024))
     xw = x_norm.weight if x_norm is not None else norm.weight
+    pdl = pdl_enabled(x.device)
     _rmsnorm_kernel[(triton.cdiv(m, block_m),)](
         x, residual if residual is not None else x, xw, norm.weight, y,
         res_out if res_out is not None else y,
@@ -118,7 +122,7 @@ def _launch(
         UNIT_OFFSET=norm.unit_offset,
         X_UNIT_OFFSET=x_norm.unit_offset if x_norm is not None else False,
         HAS_RES=residual is not None, HAS_XW=x_norm is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, USE_PDL=pdl, **pdl_launch(pdl),
     )  # fmt: skip
     return y, res_out
 

@@ -4,8 +4,9 @@ interpreter `triton.jit` gives functions that cannot be compiled); prints one JS
 case: {"case": ..., "ok": bool, "error": str}.
 
 Each case is (name, q dtype, kv dtype, head_dim, group, max_query_len, window, softcap, sinks,
-num_splits, fresh_new); the constexprs come from `kernel_constexprs`, as in a launch, with
-pointers and strides marked 16-divisible as Triton specialises them at launch.
+num_splits, fresh_new[, pdl]); the constexprs come from `kernel_constexprs`, as in a launch, with
+pointers and strides marked 16-divisible as Triton specialises them at launch. A case with
+`pdl` (swaserve/ops/pdl.py) must also show the PDL instructions in its PTX.
 """
 
 from __future__ import annotations
@@ -39,7 +40,15 @@ CASES = [
      True, 1, True),
     # head_dim 8 (the tiny DFlash test drafter): tl.dot needs K >= 16 on the GPU
     ("verify f32 fresh D8 G2", torch.float32, torch.float32, 8, 2, 8, 0, 0.0, False, 1, True),
+    # batch-1 decode with programmatic dependent launch (a decode graph's launch)
+    ("decode bf16 D128 G4 64 splits pdl", torch.bfloat16, torch.bfloat16, 128, 4, 1, 0, 0.0,
+     False, 64, False, True),
 ]
+
+def _check_pdl(kernel, pdl: bool) -> None:
+    """A PDL variant waits on the kernel before it (griddepcontrol.wait); no other does."""
+    if ("griddepcontrol.wait" in kernel.asm["ptx"]) != pdl:
+        raise AssertionError(f"griddepcontrol.wait {'missing from' if pdl else 'in'} the PTX")
 
 
 def compile_case(case: tuple) -> None:
@@ -49,12 +58,13 @@ def compile_case(case: tuple) -> None:
 
     from swaserve.attention.kernels import paged_attention as pa
 
-    _, q_dtype, kv, d, group, qlen, window, softcap, sinks, splits, fresh = case
+    _, q_dtype, kv, d, group, qlen, window, softcap, sinks, splits, fresh = case[:11]
+    pdl = len(case) > 11 and case[11]
     kv_dtype = pa.FP8 if kv == "fp8" else kv
     cfg = pa.attention_config(d, group, qlen, kv_dtype)
     consts = pa.kernel_constexprs(
         q_dtype, kv_dtype, d, group, 16, cfg, window=window, softcap=softcap, use_sinks=sinks,
-        num_splits=splits, fresh_new=fresh, interpret=False, fp8_cvt=True,
+        num_splits=splits, fresh_new=fresh, interpret=False, fp8_cvt=True, pdl=pdl,
     )
     tq = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[q_dtype]
     tkv = "fp8e4nv" if kv == "fp8" else tq
@@ -78,14 +88,16 @@ def compile_case(case: tuple) -> None:
             sig[name] = "fp32"
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    _check_pdl(kernel, pdl)
 
 
 # The split merge (`_reduce_splits`): one variant for every split count (a runtime loop bound).
 REDUCE_CASES = [
     ("reduce splits D128 bf16", torch.bfloat16, 128, False),
     ("reduce splits D64 sinks fp32", torch.float32, 64, True),
+    ("reduce splits D128 bf16 pdl", torch.bfloat16, 128, False, True),
 ]
 
 
@@ -96,10 +108,12 @@ def compile_reduce(case: tuple) -> None:
 
     from swaserve.attention.kernels import paged_attention as pa
 
-    _, out_dtype, d, sinks = case
+    _, out_dtype, d, sinks = case[:4]
+    pdl = len(case) > 4 and case[4]
     fn = pa._reduce_splits
     tout = {torch.bfloat16: "bf16", torch.float32: "fp32"}[out_dtype]
-    consts = dict(NUM_HEADS=32, HEAD_DIM=d, D_PAD=d, BLOCK_S=pa.REDUCE_BLOCK_S, USE_SINKS=sinks)
+    consts = dict(NUM_HEADS=32, HEAD_DIM=d, D_PAD=d, BLOCK_S=pa.REDUCE_BLOCK_S, USE_SINKS=sinks,
+                  USE_PDL=pdl)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -111,11 +125,12 @@ def compile_reduce(case: tuple) -> None:
             sig[name] = "i32"
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    _check_pdl(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}),
+               pdl)
 
 
 # The decode GEMV (swaserve/ops/gemv.py), default tiles: (name, dtype, rows, N, K, norm, bias,
-# residual)
+# residual[, pdl])
 GEMV_CASES = [
     ("gemv bf16 norm", torch.bfloat16, 1, 6144, 4096, True, False, False),
     ("gemv bf16 norm wide", torch.bfloat16, 2, 28672, 4096, True, False, False),
@@ -128,6 +143,8 @@ GEMV_CASES = [
     ("gemv dot bf16 norm 8 rows", torch.bfloat16, 8, 6144, 4096, True, False, False),
     ("gemv dot bf16 silu residual 16 rows", torch.bfloat16, 16, 4096, 14336, "silu", False,
      True),
+    ("gemv bf16 norm pdl", torch.bfloat16, 1, 6144, 4096, True, False, False, True),
+    ("gemv bf16 silu residual pdl", torch.bfloat16, 1, 4096, 14336, "silu", False, True, True),
 ]
 
 
@@ -139,7 +156,8 @@ def compile_gemv(case: tuple) -> None:
     from swaserve.ops import gemv as g
     from swaserve.ops.activation import ACT_IDS
 
-    _, dtype, m, n, k, norm, bias, res = case
+    _, dtype, m, n, k, norm, bias, res = case[:8]
+    pdl = len(case) > 8 and case[8]
     act = norm if isinstance(norm, str) else None  # an activation name in the norm column
     norm = norm is True
     if m > g.MAX_ROWS:  # the tensor-core variant: a tile of gemv_bench.py's sweep
@@ -151,7 +169,7 @@ def compile_gemv(case: tuple) -> None:
         K=k, HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, NUM_STAGES=cfg.num_stages,
         ACT=-1 if act is None else ACT_IDS[act], USE_DOT=cfg.use_dot, INTERPRET=False,
         BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=pdl,
     )
     fn = g._gemv_kernel
     sig, attrs = {}, {}
@@ -169,7 +187,9 @@ def compile_gemv(case: tuple) -> None:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps})
+    _check_pdl(kernel, pdl)
 
 
 def main() -> int:

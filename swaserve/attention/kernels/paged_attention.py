@@ -71,6 +71,8 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.ops.pdl import pdl_enabled, pdl_launch, pdl_wait
+
 LOG2E = 1.4426950408889634
 FP8 = torch.float8_e4m3fn
 MAX_SPLITS = 64
@@ -522,10 +524,12 @@ def _paged_attn_kernel(
     V_CVT_F16: tl.constexpr,
     FRESH_NEW: tl.constexpr,
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL (swaserve/ops/pdl.py)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_wait(USE_PDL)  # q and this layer's new keys come from the kernel before
 
     seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
@@ -678,6 +682,7 @@ def _reduce_splits(
     D_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Merge the `num_splits` partials of one (token, head) row: out = sum_j acc_j 2^(m_j - M) / L
     with M = max(m_j [, sink]), L = sum_j l_j 2^(m_j - M) [+ 2^(sink - M)]. The splits are read
@@ -687,6 +692,7 @@ def _reduce_splits(
     clamped to [1, num_splits], so every read stays inside the partials."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    pdl_wait(USE_PDL)
     row = tok * NUM_HEADS + head
     base = row * num_splits
     used = tl.minimum(tl.maximum(tl.load(part_n_ptr + row), 1), num_splits)
@@ -742,10 +748,11 @@ def kernel_constexprs(
     fresh_new: bool,
     interpret: bool,
     fp8_cvt: bool,
+    pdl: bool = False,
 ) -> dict:
     """The compile-time parameters of one `_paged_attn_kernel` launch (also what the sm_90a
     compile test builds kernels from, on a machine without a GPU). `fp8_cvt`: the device has
-    the packed e4m3 -> f16 conversion (sm_89+)."""
+    the packed e4m3 -> f16 conversion (sm_89+); `pdl`: launched with PDL (swaserve/ops/pdl.py)."""
     # tl.dot needs K >= 16 when compiled for a GPU (the interpreter takes any size): heads
     # narrower than 16 (tiny test drafters) are padded and masked like any other padding.
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -782,6 +789,7 @@ def kernel_constexprs(
         V_CVT_F16=v_cvt_f16,
         FRESH_NEW=fresh_new,
         INTERPRET=interpret,
+        USE_PDL=pdl,
     )
 
 
@@ -917,10 +925,11 @@ def _launch(
         while num_splits > 1 and num_splits * row_bytes > MAX_SPLIT_BYTES:
             num_splits //= 2
     num_splits = triton.next_power_of_2(max(1, num_splits))
+    pdl = pdl_enabled(q.device)
     consts = kernel_constexprs(
         q.dtype, k_cache.dtype, d, group, k_cache.shape[1], cfg, window=window,
         softcap=softcap, use_sinks=sinks is not None, num_splits=num_splits,
-        fresh_new=fresh_new, interpret=_interpreting(), fp8_cvt=_has_fp8_cvt(q.device),
+        fresh_new=fresh_new, interpret=_interpreting(), fp8_cvt=_has_fp8_cvt(q.device), pdl=pdl,
     )
     d_pad = consts["D_PAD"]
     qk_scale = scale * k_scale
@@ -977,6 +986,7 @@ def _launch(
         **consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(pdl),
     )
     if num_splits > 1:
         _run(
@@ -995,7 +1005,9 @@ def _launch(
             D_PAD=d_pad,
             BLOCK_S=REDUCE_BLOCK_S,
             USE_SINKS=use_sinks,
+            USE_PDL=pdl,
             num_warps=4 if d_pad <= 128 else 8,
+            **pdl_launch(pdl),
         )
 
 

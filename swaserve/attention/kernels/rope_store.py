@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from swaserve.attention.kernels.paged_attention import _run, _write_slot
+from swaserve.ops.pdl import pdl_enabled, pdl_launch, pdl_wait
 from swaserve.ops.rounding import rounded
 
 PER_HEAD_BELOW_TOKENS = 64  # steps with fewer tokens run one program per (token, head)
@@ -81,9 +82,11 @@ def _qk_rope_store_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, FP8: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL (swaserve/ops/pdl.py)
 ):  # fmt: skip
     t = tl.program_id(0)
     j = tl.program_id(1)  # a block of q heads (j < Q_BLOCKS), else of k/v heads
+    pdl_wait(USE_PDL)  # q, k, v come from the q/k/v projection just before
     Q_BLOCKS: tl.constexpr = (HQ + BLOCK_HQ - 1) // BLOCK_HQ
     d = tl.arange(0, D_PAD)
     in_rot = d < 2 * HALF
@@ -141,6 +144,7 @@ def qk_rope_store(
     assert norm == (kn is not None) and (not norm or qn.unit_offset == kn.unit_offset)
     qw = qn.weight if norm else rotary.inv_freq  # dummy pointers when there is no norm
     kw = kn.weight if norm else rotary.inv_freq
+    pdl = pdl_enabled(q.device)
     per_head = t < PER_HEAD_BELOW_TOKENS
     bhq = 1 if per_head else triton.next_power_of_2(hq)
     bhk = 1 if per_head else triton.next_power_of_2(hk)
@@ -156,6 +160,6 @@ def qk_rope_store(
         HQ=hq, HK=hk, D=d, HALF=half,
         BLOCK_HQ=bhq, BLOCK_HK=bhk, D_PAD=triton.next_power_of_2(d), PAGE_SIZE=k_cache.shape[1],
         NORM=norm, UNIT_OFFSET=bool(norm and qn.unit_offset),
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=min(8, max(1, bhq * triton.next_power_of_2(d) // 512)),
+        FP8=k_cache.dtype == torch.float8_e4m3fn, USE_PDL=pdl,
+        num_warps=min(8, max(1, bhq * triton.next_power_of_2(d) // 512)), **pdl_launch(pdl),
     )  # fmt: skip
