@@ -183,8 +183,10 @@ class Scheduler:
             )
         if batch.preempted:
             return batch  # memory is tight: admit nobody new this step
-        reserve = self._growth_reserve(batch)
+        reserve = None  # O(running): worked out only when someone may be admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if reserve is None:
+                reserve = self._growth_reserve(batch)
             req = self.waiting[0]
             n = self._admit(req, budget, reserve)
             if n is None:
