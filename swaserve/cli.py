@@ -166,18 +166,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.node_rank > 0:  # another machine's ranks: no HTTP
         import logging
 
-        from swaserve.engine.engine import resolve_folder
-
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        folder = resolve_folder(config.model)
         if config.data_parallel_size > 1:  # its data-parallel ranks: engine cores
             from swaserve.server.nodes import run_node as run_core_node
 
-            return run_core_node(config, folder, args.log_level)
+            # joins node 0 before it resolves the model: node 0 hears of any failure from then
+            return run_core_node(config, args.log_level)
         from swaserve.distributed.launch import run_node  # its tensor-parallel workers
+        from swaserve.engine.engine import resolve_folder
 
-        return run_node(config, folder)
+        return run_node(config, resolve_folder(config.model))
     return serve(config, server_args)
 
 

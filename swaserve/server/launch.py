@@ -19,6 +19,9 @@ whose rendezvous store this process hosts; they step in lockstep (server/core_lo
 `--nnodes N` (plain replicas or expert-parallel ranks) only the first D/N cores run here; the
 others' pipes are TCP sockets bound here and handed to their nodes through the store this
 process hosts (server/nodes.py); such a core whose link is lost is dead (server/link_watch.py).
+Until the cores are ready this process also watches each other node's control pipe (NodeWatch),
+so a node that dies, or fails to start, before its cores connect ends the start within seconds
+with an error naming the node, its ranks and the reason, not at READY_TIMEOUT_S.
 
 Watchdog: when the core process exits or reports a fatal error (or, on another node, its link is
 lost), every live request ends with an error, new requests get 503, the reason is logged, and
@@ -42,7 +45,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +239,7 @@ async def _main(
         local_ranks,
         publish_pipes,
         remote_pipes,
+        watch_nodes,
     )
 
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
@@ -255,6 +259,7 @@ async def _main(
     store = _rank_store(config)  # hosted here while the cores live
     for rank in range(here.stop, dp):
         publish_pipes(store, rank, clients[rank].endpoints())
+    nodes = watch_nodes(config, store)  # the other nodes' control pipes, asked until ready
     try:
         for rank in here:
             rconf = replica_config(config, rank)
@@ -268,7 +273,7 @@ async def _main(
             where = "" if dp == 1 else f" (dp rank {rank}, {rconf.device}" + (
                 f", {tp} tensor-parallel ranks)" if tp > 1 else ")")
             log.info("engine core process %d is loading %s%s", proc.pid, config.model, where)
-        if not await _wait_ready(procs, clients):
+        if not await _wait_ready(procs, clients, nodes):
             return 1
         ready.append(True)
         info = client.info or {}
@@ -319,6 +324,8 @@ async def _main(
         return 1 if client.dead is not None else 0
     finally:
         client.close()
+        for node in nodes:
+            node.close()
 
 
 def _rank_store(config: EngineConfig) -> Any:
@@ -367,24 +374,62 @@ def _server_class() -> type:
     return Server
 
 
-async def _wait_ready(procs: list[subprocess.Popen], clients: list[Any]) -> bool:
-    """Until every core said `ready`; False (logged) when one failed first or after
+async def _wait_ready(
+    procs: list[subprocess.Popen], clients: list[Any], nodes: Sequence[Any] = ()
+) -> bool:
+    """Until every core said `ready`; False (logged) when one failed first, when another node
+    failed to bring its cores up (`nodes`: node 0's NodeWatch of each, server/nodes.py), or after
     READY_TIMEOUT_S. `procs[i]` runs `clients[i]`'s core; cores past them run on other nodes
-    (their failures arrive as last words, or as the failure of a core here)."""
+    (their failures arrive as last words, as a lost link once they connected, or from their
+    node before that)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
-        gone = await _gone_settled(procs, clients)
-        if gone is not None:
-            rank, why = gone
-            where = f" (dp rank {rank})" if len(clients) > 1 else ""
-            log.error("engine core failed to start%s: %s", where, why)
+        failure = await _startup_failure(procs, clients, nodes)
+        if failure is not None:
+            log.error("%s", failure)
             return False
         if all(c.ready.is_set() for c in clients):
             return True
         if time.monotonic() > deadline:
-            log.error("engine core not ready after %.0f s", READY_TIMEOUT_S)
+            waiting = [str(i) for i, c in enumerate(clients) if not c.ready.is_set()]
+            absent = [n.name for n in nodes if not n.joined]
+            log.error("engine core not ready after %.0f s%s%s", READY_TIMEOUT_S,
+                      f" (dp ranks {', '.join(waiting)})" if len(clients) > 1 else "",
+                      f"; never joined: {', '.join(absent)}" if absent else "")  # fmt: skip
             return False
         await asyncio.sleep(0.1)
+
+
+def _startup_failure_now(
+    procs: list[subprocess.Popen], clients: list[Any], nodes: Sequence[Any]
+) -> str | None:
+    """What stops the start, if anything: a core gone (`_first_gone`: its own words are the
+    best), else a node that failed before its cores could say anything."""
+    gone = _first_gone(procs, clients)
+    if gone is not None:
+        rank, why = gone
+        where = ""
+        if len(clients) > 1:
+            where = f" (dp rank {rank}" + (
+                f", node {rank // len(procs)})" if rank >= len(procs) else ")")
+        return f"engine core failed to start{where}: {why}"
+    for node in nodes:
+        why = node.failure()
+        if why is not None:
+            cores = "engine cores" if node.num_ranks > 1 else "engine core"
+            return f"{node.name}: its {cores} did not come up: {why}"
+    return None
+
+
+async def _startup_failure(
+    procs: list[subprocess.Popen], clients: list[Any], nodes: Sequence[Any]
+) -> str | None:
+    """`_startup_failure_now`, asked again LAST_WORDS_S after a first answer: a core's last
+    words may follow its exit, its lost link or its node's report."""
+    if _startup_failure_now(procs, clients, nodes) is None:
+        return None
+    await asyncio.sleep(LAST_WORDS_S)
+    return _startup_failure_now(procs, clients, nodes)
 
 
 def _first_gone(procs: list[subprocess.Popen], clients: list[Any]) -> tuple[int, str] | None:

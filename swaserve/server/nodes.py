@@ -12,6 +12,14 @@ Plain replicas and expert-parallel ranks alike:
 Node 0's frontend then routes over all D ranks as on one machine. With expert parallelism the
 cores also join one group and step in lockstep (core_loop_ep.py); plain replicas share nothing.
 
+Start-up: node k joins node 0 first thing, before it resolves the model or starts a core: it
+reads its control pipe's address from the store (`CONTROL_KEY`, bound by node 0 as `NodeWatch`)
+and connects (`NodeLink`), watched like the cores' pipes. Until every core is ready node 0 asks
+each node's `NodeWatch` too, so a node that dies, or whose core dies, before that core connects
+fails the start within seconds, not at the ready timeout; a node that fails at start (its model
+missing there, a core that exits) says why (`failed`) before it exits. A node that never joins
+is only caught by the ready timeout (node 0 cannot tell it from one not started yet).
+
 Liveness: every TCP pipe is watched from both ends (link_watch.py: the connection's close, or
 heartbeats unanswered for seconds). A remote core whose link is lost (its process, or its whole
 node, gone) is a dead core to node 0's watchdog, named with its rank and node (launch.py); a
@@ -27,17 +35,25 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
-from pathlib import Path
+import time
 from typing import Any
+
+import msgpack
+import zmq
 
 from swaserve.config import EngineConfig
 from swaserve.distributed.launch import rendezvous_address
+from swaserve.server.link_watch import LinkWatch, attach
 
 log = logging.getLogger("swaserve.server")
 IPC_KEY = "swaserve/node_ipc/{}"
+CONTROL_KEY = "swaserve/node_control/{}"  # node k's control pipe (node 0 binds it)
+HELLO, FAILED = "hello", "failed"  # node k -> node 0, on the control pipe (msgpack)
+NODE_POLL_S = 0.2  # node k looks at its cores this often
 
 
 def spans_nodes(config: EngineConfig) -> bool:
@@ -52,9 +68,21 @@ def local_ranks(config: EngineConfig) -> range:
     may span nodes: node k runs workers, no core)."""
     if config.data_parallel_size == 1:
         return range(1) if config.node_rank == 0 else range(0)
-    per_node = config.data_parallel_size // config.nnodes
-    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+    return node_ranks(config, config.node_rank)
 
+
+def node_ranks(config: EngineConfig, node: int) -> range:
+    """The data-parallel ranks of node `node` (data parallelism over nodes)."""
+    per_node = config.data_parallel_size // config.nnodes
+    return range(node * per_node, (node + 1) * per_node)
+
+
+def describe_node(config: EngineConfig, node: int) -> str:
+    """`node 1 (dp ranks 2-3)`, or `node 1 (dp rank 1)`."""
+    ranks = node_ranks(config, node)
+    if len(ranks) == 1:
+        return f"node {node} (dp rank {ranks[0]})"
+    return f"node {node} (dp ranks {ranks[0]}-{ranks[-1]})"
 
 
 def remote_pipes(config: EngineConfig) -> tuple[str, str]:
@@ -78,15 +106,126 @@ def expert_parallel_spec(config: EngineConfig, rank: int, host: str, port: int) 
             "node": config.node_rank}  # fmt: skip
 
 
-def run_node(config: EngineConfig, folder: Path, log_level: str) -> int:
-    """Node k > 0: start this node's cores on the pipes node 0 published, wait for them; 1 if
-    one failed. SIGTERM stops them (node 0's server then ends: a rank left)."""
+class NodeWatch:
+    """Node 0's end of node k's control pipe, bound (watched from before node k can connect) on
+    the address node 0 binds the remote cores' pipes on. Asked while the cores start."""
+
+    def __init__(self, config: EngineConfig, node: int) -> None:
+        self.node = node
+        self.name = describe_node(config, node)
+        self.num_ranks = len(node_ranks(config, node))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        link = attach([(self.sock, remote_pipes(config)[0])], bind=True)
+        assert link is not None  # a TCP pipe is always watched
+        self.link: LinkWatch = link
+        self.joined = False  # node k said hello
+        self.reason: str | None = None  # the first failure node k reported (it is final)
+
+    def endpoint(self) -> str:
+        return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def failure(self) -> str | None:
+        """Why node k cannot bring its cores up, if it cannot: what it said, else its link lost
+        (its process or its machine gone). Reads what has arrived, never waits."""
+        while self.reason is None:
+            try:
+                msg = msgpack.unpackb(self.sock.recv(zmq.NOBLOCK), raw=False)
+            except zmq.Again:
+                break
+            if msg[0] == HELLO:
+                self.joined = True
+                log.info("%s joined: its launcher is pid %s on %s", self.name, msg[1]["pid"],
+                         msg[1]["host"])  # fmt: skip
+            elif msg[0] == FAILED:
+                self.reason = str(msg[1])
+        if self.reason is not None:
+            return self.reason
+        if self.link.lost():
+            return (f"node {self.node} closed its connection (its process or its machine is "
+                    "gone, or it stopped answering)")
+        return None
+
+    def close(self) -> None:
+        self.link.close()
+        self.sock.close()
+        self.ctx.term()
+
+
+def watch_nodes(config: EngineConfig, store: Any) -> list[NodeWatch]:
+    """Node 0: a bound control pipe per other node, published in the store (none unless the
+    data-parallel ranks span nodes)."""
+    if not spans_nodes(config):
+        return []
+    watches = [NodeWatch(config, node) for node in range(1, config.nnodes)]
+    for w in watches:
+        store.set(CONTROL_KEY.format(w.node), json.dumps(w.endpoint()))
+    return watches
+
+
+class NodeLink:
+    """Node k's end of its control pipe to node 0: `hello` once connected, `failed` with the
+    reason when it cannot bring its cores up."""
+
+    def __init__(self, store: Any, node: int) -> None:
+        addr = json.loads(store.get(CONTROL_KEY.format(node)))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 2000)  # what it said reaches node 0 before it exits
+        self.link = attach([(self.sock, addr)], bind=False)
+        self._send([HELLO, {"pid": os.getpid(), "host": socket.gethostname()}])
+
+    def report(self, reason: str) -> None:
+        self._send([FAILED, reason])
+
+    def _send(self, msg: list) -> None:
+        try:
+            self.sock.send(msgpack.packb(msg, use_bin_type=True), zmq.NOBLOCK)
+        except zmq.ZMQError:  # node 0 gone (a full queue): nobody to tell
+            pass
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        self.sock.close()
+        self.ctx.term()  # waits up to the linger for what is queued
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, ValueError):  # a flag or a model this node cannot take: its message
+        return str(e)
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    return f"{type(e).__name__}: {e}"
+
+
+def run_node(config: EngineConfig, log_level: str) -> int:
+    """Node k > 0: join node 0 (first thing), resolve the model, start this node's cores on the
+    pipes node 0 published, wait for them; 1 if one failed. A failure to start is reported to
+    node 0 before it is raised. SIGTERM stops the cores (node 0's server then ends: a rank
+    left)."""
     from swaserve.distributed.parallel_state import open_store
-    from swaserve.server.launch import _exit_reason, replica_config, start_core
 
     host, port = rendezvous_address(config)
+    store = open_store(host, port, config.data_parallel_size, is_master=False)  # waits for node 0
+    link = NodeLink(store, config.node_rank)
+    try:
+        return _run_cores(config, store, link, log_level)
+    except BaseException as e:
+        link.report(_reason(e))
+        raise
+    finally:
+        link.close()
+
+
+def _run_cores(config: EngineConfig, store: Any, link: NodeLink, log_level: str) -> int:
+    from swaserve.engine.engine import resolve_folder
+    from swaserve.server.launch import _exit_reason, replica_config, start_core
+
+    folder = resolve_folder(config.model)  # GGUF conversion happens here, once
+    host, port = rendezvous_address(config)
     size = config.data_parallel_size
-    store = open_store(host, port, size, is_master=False)  # waits for node 0's
     ranks = local_ranks(config)
     procs: dict[int, subprocess.Popen] = {}
 
@@ -110,10 +249,19 @@ def run_node(config: EngineConfig, folder: Path, log_level: str) -> int:
     except BaseException:
         stop(signal.SIGTERM, None)
         raise
-    failed = 0
-    for rank, p in procs.items():
-        code = p.wait()
-        if code:
-            log.error("dp rank %d's engine core process %d %s", rank, p.pid, _exit_reason(code))
-            failed = 1
+    # Polled, not waited on in turn: node 0 hears of a core that failed as soon as it is gone
+    # (one that never connected its pipes is known to node 0 only from here).
+    failed, running = 0, dict(procs)
+    while running:
+        time.sleep(NODE_POLL_S)
+        for rank, p in list(running.items()):
+            code = p.poll()
+            if code is None:
+                continue
+            del running[rank]
+            if code:
+                why = f"dp rank {rank}'s engine core process {p.pid} {_exit_reason(code)}"
+                log.error("%s", why)
+                link.report(why)
+                failed = 1
     return failed

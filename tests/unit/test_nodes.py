@@ -1,9 +1,10 @@
 """Data-parallel ranks over nodes (plain replicas or expert-parallel ranks), without
 processes: which flags are taken, which ranks a node runs, how a failed collective is named
 when the dead peer is on this node (its pid) or on another (a remote rank, whose pid means
-nothing here), and the pipes node 0 binds and publishes for a remote core. The two-node servers
-themselves: tests/e2e/test_two_node_dp_server.py and test_two_node_ep_server.py (slow); a lost
-link: tests/unit/test_link_watch.py."""
+nothing here), the pipes node 0 binds and publishes for a remote core, and the control pipe
+over which node 0 hears of a node failing at start. The two-node servers themselves:
+tests/e2e/test_two_node_dp_server.py and test_two_node_ep_server.py (slow); a lost link:
+tests/unit/test_link_watch.py; a node failing at start: tests/e2e/test_two_node_startup.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -18,7 +20,14 @@ import torch.distributed as dist
 from swaserve.config import EngineConfig
 from swaserve.distributed.ep_launch import PidWatch
 from swaserve.server.ipc import CoreClient
-from swaserve.server.nodes import IPC_KEY, local_ranks, publish_pipes, remote_pipes
+from swaserve.server.nodes import (
+    IPC_KEY,
+    NodeLink,
+    local_ranks,
+    publish_pipes,
+    remote_pipes,
+    watch_nodes,
+)
 
 
 def _ep(**kw) -> EngineConfig:
@@ -101,3 +110,48 @@ def test_offline_engine_refuses_nodes(expert):
                        r"`swaserve serve`"):  # fmt: skip
         Engine(model="gemma-3-270m", load_format="dummy", device="cpu", data_parallel_size=2,
                enable_expert_parallel=expert, nnodes=2, dist_init_addr="127.0.0.1:1")  # fmt: skip
+
+
+def test_node_0_hears_a_node_fail_at_start():
+    """Node k's control pipe (NodeLink) to node 0's NodeWatch: `hello` makes it joined, a
+    reported failure is node 0's reason (the first one, final); a node that closes the pipe
+    without a word is a failure too."""
+    cfg = _ep(nnodes=2, dist_init_addr="127.0.0.1:29500")
+    store = dist.HashStore()
+    (watch,) = watch_nodes(cfg, store)
+    try:
+        assert watch.name == "node 1 (dp ranks 2-3)" and watch.num_ranks == 2
+        link = NodeLink(store, 1)
+        _until(lambda: watch.failure() is None and watch.joined)
+        link.report("unknown model 'M'")
+        link.report("dp rank 2's engine core process 9 exited with status 1")
+        assert _until(watch.failure) == "unknown model 'M'"
+        link.close()  # and then it is gone: what it said stays the reason
+        time.sleep(0.3)
+        assert watch.failure() == "unknown model 'M'"
+    finally:
+        watch.close()
+    (watch,) = watch_nodes(cfg, store)
+    try:
+        link = NodeLink(store, 1)
+        _until(lambda: watch.joined or watch.failure())
+        link.close()
+        assert _until(watch.failure).startswith("node 1 closed its connection")
+    finally:
+        watch.close()
+
+
+def test_one_node_has_no_node_watch():
+    store = dist.HashStore()
+    assert watch_nodes(_ep(), store) == []
+    assert watch_nodes(EngineConfig(model="x", tensor_parallel_size=2, nnodes=2,
+                                    dist_init_addr="127.0.0.1:1"), store) == []  # fmt: skip
+
+
+def _until(what, seconds: float = 5.0):
+    """`what()` once truthy (fails after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while not (found := what()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return found
