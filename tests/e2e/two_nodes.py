@@ -14,19 +14,31 @@ from pathlib import Path
 from tests.e2e.conftest import RunningServer, free_port
 
 
-def start_pair(
-    common: list[str], tmp_path: Path, timeout: float = 240
+def start_nodes(
+    common: list[str], tmp_path: Path, node1_args: tuple[str, ...] = (),
+    node1_env: dict[str, str] | None = None,
 ) -> tuple[RunningServer, subprocess.Popen]:
     """Both nodes with the flags `common` (--nnodes 2 among them; --dist-init-addr and
-    --node-rank added here), node 0 ready; node 1 logs to tmp_path/node1.log."""
+    --node-rank added here), node 1 with `node1_args` after them (the last value of a flag
+    wins) and `node1_env` in its environment; nothing awaited. Node 1 logs to
+    tmp_path/node1.log."""
     common = [*common, "--dist-init-addr", f"127.0.0.1:{free_port()}"]
     log = open(tmp_path / "node1.log", "w")  # noqa: SIM115 (the process owns it)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(node1_env or {})}
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "swaserve.cli", "serve", *common, "--node-rank", "1"],
+        [sys.executable, "-m", "swaserve.cli", "serve", *common, "--node-rank", "1",
+         *node1_args],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip
     node0 = RunningServer([*common, "--node-rank", "0"], tmp_path / "node0.log")
+    return node0, node1
+
+
+def start_pair(
+    common: list[str], tmp_path: Path, timeout: float = 240
+) -> tuple[RunningServer, subprocess.Popen]:
+    """`start_nodes`, node 0 ready."""
+    node0, node1 = start_nodes(common, tmp_path)
     try:
         node0.wait_ready(timeout=timeout)
     except BaseException:
