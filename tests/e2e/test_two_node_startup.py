@@ -33,6 +33,7 @@ if "--spec" in sys.argv:  # python -m swaserve.server.core_process --spec ...: h
     time.sleep(600)
 """
 EXIT_S = 30  # node 0 exits this soon after node 1 failed
+pytestmark = pytest.mark.slow  # two server processes of their own
 
 
 def _held_core_env(tmp_path: Path) -> dict[str, str]:
