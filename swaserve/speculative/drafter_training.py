@@ -110,6 +110,24 @@ class StepResult:
     num_blocks: int
 
 
+def block_logits(
+    drafter: DFlashDrafter,
+    features: Tensor,  # [T, n_ids * hidden]: the target's, at the rows blocks.ctx_rows
+    blocks: Blocks,
+    embedding: Tensor,  # the target's [V, hidden] table (frozen)
+    head: Tensor,  # the target's [V, hidden] head weight (frozen)
+) -> Tensor:
+    """Logits [N * (B - 1), V] (float32) of rows 1..B-1 of every block: the drafter's forward
+    for training and for the held-out drafts alike."""
+    ctx = drafter.project_context(features)
+    kv = [drafter.context_kv(i, ctx, blocks.ctx_positions) for i in range(len(drafter.layers))]
+    embeds = drafter.embed_block(blocks.token_ids, embedding)
+    hidden = drafter.forward_block(embeds, blocks.positions, kv, blocks.visible)
+    b = drafter.cfg.block_size
+    rows = hidden.view(-1, b, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
+    return drafter.compute_logits(rows, head).float()
+
+
 def dflash_loss(
     drafter: DFlashDrafter,
     features: Tensor,  # [T, n_ids * hidden]: the target's, at the rows blocks.ctx_rows
@@ -117,13 +135,8 @@ def dflash_loss(
     embedding: Tensor,  # the target's [V, hidden] table (frozen)
     head: Tensor,  # the target's [V, hidden] head weight (frozen)
 ) -> StepResult:
-    ctx = drafter.project_context(features)
-    kv = [drafter.context_kv(i, ctx, blocks.ctx_positions) for i in range(len(drafter.layers))]
-    embeds = drafter.embed_block(blocks.token_ids, embedding)
-    hidden = drafter.forward_block(embeds, blocks.positions, kv, blocks.visible)
     b = drafter.cfg.block_size
-    rows = hidden.view(-1, b, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
-    logits = drafter.compute_logits(rows, head).float()
+    logits = block_logits(drafter, features, blocks, embedding, head)
     ce = F.cross_entropy(logits, blocks.targets, reduction="none")
     loss = (ce * blocks.weights).sum() / blocks.weights.sum()
     with torch.no_grad():
