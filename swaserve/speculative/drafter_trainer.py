@@ -1,5 +1,5 @@
 """The optimisation loop of `swaserve train-drafter`: epochs over the training sequences, a
-held-out acceptance proxy every few steps, a time box.
+held-out evaluation every few steps, a time box.
 
     step      `batch_sequences` sequences (the next of a seeded shuffle of the training set,
               reshuffled each epoch), `anchors` blocks each, in forwards of
@@ -7,9 +7,12 @@ held-out acceptance proxy every few steps, a time box.
               AdamW, gradient norm clipped to 1
     lr        linear warm-up, then cosine decay reaching 0 at the last step, or at
               `max_seconds` when that comes first (so a time-boxed run ends decayed)
-    held-out  the same objective on held-out sequences at fixed, seeded anchors, without
-              gradients: its greedy proxy (1 + leading correct drafts per block) is what
-              serving would accept on text the drafter never saw
+    held-out  on sequences never trained on: the objective at fixed, seeded anchors (loss,
+              accuracy, mean block accept = mean of 1 + leading correct drafts), and the
+              served-equivalent acceptance, serving's greedy walk replayed (drafter_walk.py):
+              tokens per verify step, what `spec_accept_length` reads when the held-out
+              prompts are served. The mean block accept reads higher (drafter_walk.py says
+              why); do not take it for acceptance.
     metrics   kept on the device and read back every `sync_every` steps (a read is a sync,
               and the host should run ahead of the GPU)
 """
@@ -35,6 +38,7 @@ from swaserve.speculative.drafter_training import (
     dflash_loss,
     sample_anchors,
 )
+from swaserve.speculative.drafter_walk import prefix_within, walk_sequences
 
 
 @dataclass
@@ -53,6 +57,28 @@ class TrainPlan:
 
 
 @dataclass
+class HeldOut:
+    """One held-out evaluation."""
+
+    loss: float
+    accuracy: float
+    mean_block_accept: float  # the objective's figure at the fixed anchors: not acceptance
+    accept_length: float | None  # served-equivalent (drafter_walk.py); None: no verify step
+    sequences: int  # held-out sequences walked for accept_length
+
+    def csv(self) -> list[str]:
+        accept = "" if self.accept_length is None else f"{self.accept_length:.6g}"
+        return [f"{self.loss:.6g}", f"{self.accuracy:.6g}", f"{self.mean_block_accept:.6g}",
+                accept, str(self.sequences)]
+
+    def describe(self) -> str:
+        accept = "n/a" if self.accept_length is None else f"{self.accept_length:.2f}"
+        return (f"accept length {accept} (served-equivalent, {self.sequences} sequences), "
+                f"mean block accept {self.mean_block_accept:.2f}, loss {self.loss:.3f}, "
+                f"accuracy {self.accuracy:.3f}")
+
+
+@dataclass
 class Row:
     """One line of loss.csv: a step's training metrics, and the held-out ones where it was
     evaluated (None elsewhere)."""
@@ -60,17 +86,21 @@ class Row:
     step: int
     loss: float
     accuracy: float
-    accept: float
-    heldout: tuple[float, float, float] | None = None  # loss, accuracy, accept proxy
+    mean_block_accept: float
+    heldout: HeldOut | None = None
 
     def csv(self) -> list:
-        tail = [f"{x:.6g}" for x in self.heldout] if self.heldout else ["", "", ""]
-        return [self.step, f"{self.loss:.6g}", f"{self.accuracy:.6g}", f"{self.accept:.6g}",
-                *tail]
+        tail = self.heldout.csv() if self.heldout else [""] * 5
+        return [self.step, f"{self.loss:.6g}", f"{self.accuracy:.6g}",
+                f"{self.mean_block_accept:.6g}", *tail]
 
 
-CSV_HEADER = ["step", "loss", "accuracy", "accept_length_proxy", "heldout_loss",
-              "heldout_accuracy", "heldout_accept_length_proxy"]
+# Earlier runs wrote accept_length_proxy and heldout_accept_length_proxy where the mean block
+# accept columns are now, and had no heldout_accept_length / heldout_accept_sequences: the
+# columns kept their places and the new ones come last.
+CSV_HEADER = ["step", "loss", "accuracy", "mean_block_accept", "heldout_loss",
+              "heldout_accuracy", "heldout_mean_block_accept", "heldout_accept_length",
+              "heldout_accept_sequences"]
 
 
 class DrafterTrainer:
@@ -81,8 +111,19 @@ class DrafterTrainer:
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=plan.lr, weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(plan.seed)
         self.eval_batches = self._fixed_batches(heldout) if heldout is not None else []
+        # The walk drafts at every answer position, in forwards no bigger than a training
+        # micro-batch (its sequences, its blocks), so it fits where training does. Periodic
+        # evaluations walk a fixed prefix of the held-out sequences with at most as many
+        # blocks as the fixed anchors (held-out sequences x --anchors), so each costs about
+        # what the objective's evaluation does (all ~220 answer positions of the shipped
+        # drafter's sequences would be ~3.5x that at 64 anchors); the final one walks all.
+        self.walk_blocks = plan.micro_batch_sequences * plan.anchors
+        self.walk_all = list(range(len(heldout))) if heldout is not None else []
+        self.walk_periodic = (prefix_within(heldout, self.walk_all,
+                                            len(self.walk_all) * plan.anchors)
+                              if self.walk_all else [])
         self.rows: list[Row] = []
-        self.last_heldout: tuple[float, float, float] | None = None
+        self.last_heldout: HeldOut | None = None
 
     # ---- batches -------------------------------------------------------------------------
 
@@ -126,18 +167,24 @@ class DrafterTrainer:
     # ---- evaluation ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float, float] | None:
-        """Held-out (loss, accuracy, accept-length proxy), averaged over blocks."""
+    def evaluate(self, full: bool = False) -> HeldOut | None:
+        """The held-out evaluation: the objective averaged over the fixed blocks, and the
+        served-equivalent acceptance of the walk over the periodic prefix or (`full`) every
+        held-out sequence."""
         if not self.eval_batches:
             return None
         total = torch.zeros(3, device=self.train.tokens.device)
         blocks = 0
         for b in self.eval_batches:
             r = self._loss(self.heldout, b)
-            total += torch.stack([r.loss.detach(), r.accuracy, r.accept_length]) * r.num_blocks
-            blocks += r.num_blocks
-        loss, acc, accept = (total / blocks).tolist()
-        return loss, acc, accept
+            n = r.num_blocks
+            total += torch.stack([r.loss.detach(), r.accuracy, r.mean_block_accept]) * n
+            blocks += n
+        loss, acc, block_accept = (total / blocks).tolist()
+        walk = walk_sequences(self.drafter, self.embedding, self.head, self.heldout,
+                              self.walk_all if full else self.walk_periodic, self.walk_blocks,
+                              self.plan.micro_batch_sequences)
+        return HeldOut(loss, acc, block_accept, walk.accept_length, walk.sequences)
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -156,7 +203,7 @@ class DrafterTrainer:
         for b in micro:
             r = self._loss(self.train, b)
             (r.loss * (r.num_blocks / n_blocks)).backward()
-            total += torch.stack([r.loss.detach(), r.accuracy, r.accept_length]) * (
+            total += torch.stack([r.loss.detach(), r.accuracy, r.mean_block_accept]) * (
                 r.num_blocks / n_blocks)
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.opt.step()
@@ -174,8 +221,7 @@ class DrafterTrainer:
         t0 = time.monotonic()
         last_eval = self.last_heldout = self.evaluate()
         if last_eval is not None:
-            log(f"train-drafter: held-out before training: loss {last_eval[0]:.3f} "
-                f"accept-length proxy {last_eval[2]:.2f}")
+            log(f"train-drafter: held-out before training: {last_eval.describe()}")
         for step in bar:
             elapsed = time.monotonic() - t0
             if plan.max_seconds and elapsed > plan.max_seconds:
@@ -194,36 +240,41 @@ class DrafterTrainer:
                 self._flush(pending, bar)
                 pending = []
             if do_eval and self.rows:
-                last_eval = self.last_heldout = self.evaluate()
+                last_eval = self.last_heldout = self.evaluate(full=last)
                 self.rows[-1].heldout = last_eval
                 self._postfix(bar)
             if (step + 1) % every == 0 and self.rows:
                 recent = [r for r in self.rows if r.step > step - every]
-                held = (f" | held-out loss {last_eval[0]:.3f} accept-length proxy "
-                        f"{last_eval[2]:.2f}" if last_eval else "")
+                held = f" | held-out {last_eval.describe()}" if last_eval else ""
                 log(f"train-drafter: step {step + 1}/{plan.steps} loss "
                     f"{_mean(r.loss for r in recent):.3f} accuracy "
-                    f"{_mean(r.accuracy for r in recent):.3f} accept-length proxy "
-                    f"{_mean(r.accept for r in recent):.2f}{held}")
+                    f"{_mean(r.accuracy for r in recent):.3f} mean block accept "
+                    f"{_mean(r.mean_block_accept for r in recent):.2f}{held}")
         self._flush(pending, bar)
         bar.close()
-        if self.eval_batches and self.rows and self.rows[-1].heldout is None:
-            self.rows[-1].heldout = self.evaluate()
+        # the last row holds the final evaluation, over every held-out sequence (a time box
+        # can stop the run just after a periodic one)
+        h = self.rows[-1].heldout if self.rows else None
+        if self.eval_batches and self.rows and (h is None or h.sequences < len(self.walk_all)):
+            self.rows[-1].heldout = self.last_heldout = self.evaluate(full=True)
         return self.rows
 
     def _flush(self, pending: list[tuple[int, Tensor]], bar: Any) -> None:
         if not pending:
             return
         values = torch.stack([m for _, m in pending]).tolist()
-        for (step, _), (loss, acc, accept) in zip(pending, values):
-            self.rows.append(Row(step, loss, acc, accept))
+        for (step, _), (loss, acc, block_accept) in zip(pending, values):
+            self.rows.append(Row(step, loss, acc, block_accept))
         self._postfix(bar)
 
     def _postfix(self, bar: Any) -> None:
         r, h = self.rows[-1], self.last_heldout
-        held = {"heldout": f"{h[2]:.2f}"} if h else {}
-        bar.set_postfix(loss=f"{r.loss:.3f}", acc=f"{r.accuracy:.2f}", accept=f"{r.accept:.2f}",
-                        **held)
+        held = {}
+        if h is not None:
+            accept = "n/a" if h.accept_length is None else f"{h.accept_length:.2f}"
+            held = {"heldout_accept": accept, "heldout_block_accept": f"{h.mean_block_accept:.2f}"}
+        bar.set_postfix(loss=f"{r.loss:.3f}", acc=f"{r.accuracy:.2f}",
+                        block_accept=f"{r.mean_block_accept:.2f}", **held)
 
 
 def _mean(values: Any) -> float:

@@ -106,7 +106,9 @@ def build_blocks(
 class StepResult:
     loss: Tensor  # weighted mean cross-entropy (differentiable)
     accuracy: Tensor  # argmax == target, all rows (a 0-dim tensor: no host sync)
-    accept_length: Tensor  # mean over blocks of 1 + the leading correct rows (greedy proxy)
+    # mean over blocks of 1 + the leading correct rows: not served acceptance (a plain mean
+    # over anchors, where serving divides tokens by verify steps: drafter_walk.py)
+    mean_block_accept: Tensor
     num_blocks: int
 
 

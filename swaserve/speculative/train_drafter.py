@@ -14,10 +14,12 @@ itself generates.
 4. Training (drafter_trainer.py, objective in drafter_training.py): a fresh drafter (the
    target's attention shape, so serving can share its KV pool), AdamW with warm-up and
    cosine decay, several sequences per drafter forward, about `--epochs` passes over the
-   data, a held-out acceptance proxy every `--eval-every` steps; the target's embedding and
-   head stay frozen and are not saved.
+   data, a held-out evaluation every `--eval-every` steps: the served-equivalent acceptance
+   (serving's greedy walk replayed, drafter_walk.py) beside the objective's loss and mean
+   block accept; the target's embedding and head stay frozen and are not saved.
 5. Output: DIR/config.json (DFlashDraftModel, loadable by swaserve and by the `dflash`
-   reference), DIR/model.safetensors, DIR/loss.csv and DIR/loss.png.
+   reference), DIR/model.safetensors, DIR/loss.csv and DIR/loss.png; the last line reports
+   the final held-out acceptance, over every held-out sequence.
 
 Each phase prints its time, so a time-boxed GPU run can be planned from the last one.
 """
@@ -266,15 +268,14 @@ def _write(out: Path, rows: list[Row], drafter: DFlashDrafter, raw: dict, args: 
         w = csv.writer(f)
         w.writerow(CSV_HEADER)
         w.writerows(r.csv() for r in rows)
-    held = [(i, r.heldout[0]) for i, r in enumerate(rows) if r.heldout]
+    held = [(i, r.heldout.loss) for i, r in enumerate(rows) if r.heldout]
     plot_loss([r.loss for r in rows], out / "loss.png", title=f"DFlash drafter for {args.target}",
               heldout=held)
     size = save_drafter(drafter, raw, out, getattr(torch, args.save_dtype))
-    final = next((r.heldout for r in reversed(rows) if r.heldout), None)
-    if final is not None:
-        print(f"train-drafter: held-out accept-length proxy {final[2]:.2f} (loss {final[0]:.3f}, "
-              f"accuracy {final[1]:.3f})")
     print(f"train-drafter: saved {out} ({size / 2**20:.2f} MiB of weights, {args.save_dtype})")
+    final = next((r.heldout for r in reversed(rows) if r.heldout), None)
+    if final is not None:  # the last line: what serving will accept (drafter_walk.py)
+        print(f"train-drafter: held-out {final.describe()}")
 
 
 def add_args(p: Any) -> None:
@@ -312,8 +313,8 @@ def add_args(p: Any) -> None:
                    help="stop answering after the chunk of prompts in which this ran out and "
                    "train on what is done (0: no limit)")
     g.add_argument("--heldout-sequences", type=int, default=256,
-                   help="sequences kept out of training for the held-out acceptance proxy (at "
-                   "most a tenth of them; default %(default)s)")
+                   help="sequences kept out of training, for the held-out evaluation (at most "
+                   "a tenth of them; default %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="requests the target generates at once (default %(default)s)")
     g.add_argument("--kv-cache-gb", type=float, default=2.0,

@@ -1,10 +1,11 @@
 """`swaserve train-drafter` on CPU (issue 11): a few steps on a tiny target lower the loss; the
 folder it writes loads in swaserve, in the `dflash` reference (`from_pretrained`, same
 weights) and serves as `--speculative-draft-model`, losslessly; the CSV (with the held-out
-proxy) and PNG are there. Also the pieces: anchors, the block mask, the position decay,
-several sequences in one drafter forward equal to each alone, batched target features equal
-to per-sequence ones (and to Hugging Face's), the held-out split, parsing the target's lists
-of users' messages."""
+evaluations: served-equivalent acceptance and mean block accept) and PNG are there, and the
+last line printed is the final acceptance. Also the pieces: anchors, the block mask, the
+position decay, several sequences in one drafter forward equal to each alone, batched target
+features equal to per-sequence ones (and to Hugging Face's), the held-out split, parsing the
+target's lists of users' messages."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def target(tmp_path_factory) -> str:
     return str(folder)
 
 
-def test_train_drafter_lowers_loss_and_writes_a_loadable_drafter(target, tmp_path):
+def test_train_drafter_lowers_loss_and_writes_a_loadable_drafter(target, tmp_path, capsys):
     out = tmp_path / "drafter"
     rc = cli_main([
         "train-drafter", "--target", target, "--out", str(out), "--device", "cpu",
@@ -67,8 +68,16 @@ def test_train_drafter_lowers_loss_and_writes_a_loadable_drafter(target, tmp_pat
         rows = list(csv.DictReader(f))
     losses = [float(r["loss"]) for r in rows]
     assert len(losses) >= 30
-    held = [float(r["heldout_accept_length_proxy"]) for r in rows if r["heldout_loss"]]
-    assert len(held) == 4 and all(1.0 <= h <= 4.0 for h in held)  # steps 10, 20, 30, 40
+    held = [r for r in rows if r["heldout_loss"]]
+    assert len(held) == 4  # steps 10, 20, 30, 40
+    for r in held:
+        assert 1.0 <= float(r["heldout_mean_block_accept"]) <= 4.0
+        assert 1.0 <= float(r["heldout_accept_length"]) <= 4.0
+    assert held[-1]["heldout_accept_sequences"] == "1"  # the final one: every held-out sequence
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    accept = float(held[-1]["heldout_accept_length"])
+    assert last_line.startswith(f"train-drafter: held-out accept length {accept:.2f} "
+                                "(served-equivalent, 1 sequences), mean block accept"), last_line
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.8 * first, (first, last)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
