@@ -90,14 +90,17 @@ class LlamaDecoderLayer(nn.Module):
         GEMV it feeds, the gated activation in front of down, and each residual add behind o
         and down, so the layer is four GEMVs and the attention launches. Takes and returns the
         residual stream (no normed copy between layers)."""
-        from swaserve.ops.gemv import gemv
+        from swaserve.ops.gemv import gemv, row_config
 
         attn, mlp = self.self_attn, self.mlp
-        qkv = gemv(h, attn.qkv_weight, attn.qkv_bias, norm=self.input_layernorm)
+        cfg = row_config(h.shape[0])
+        qkv = gemv(h, attn.qkv_weight, attn.qkv_bias, norm=self.input_layernorm, config=cfg)
         a = attn.attend(positions, qkv, fb)
-        h = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=h)
-        gu = gemv(h, mlp.gate_up_weight, mlp.gate_up_bias, norm=self.post_attention_layernorm)
-        return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, act=mlp.act_name)
+        h = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=h, config=cfg)
+        gu = gemv(h, mlp.gate_up_weight, mlp.gate_up_bias, norm=self.post_attention_layernorm,
+                  config=cfg)  # fmt: skip
+        return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, act=mlp.act_name,
+                    config=cfg)  # fmt: skip
 
 
 class LlamaModel(nn.Module):

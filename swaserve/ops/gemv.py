@@ -40,7 +40,7 @@ from swaserve.ops.rounding import round_to, rounded
 
 MAX_ROWS = 2  # rows the engine's path takes; at 4 cuBLAS won by 10-45% on Llama-8B's shapes
 # Rows the tensor-core variant takes (`GemvConfig.use_dot`): swept by benchmarks/gemv_bench.py
-# at 4 to 16 rows, not yet measured, so no default config picks it.
+# at 4 to 16 rows, not yet measured, so only SWASERVE_GEMV_ROWS above MAX_ROWS picks it.
 MAX_DOT_ROWS = 16
 
 
@@ -73,6 +73,19 @@ def default_config(m: int, n: int, k: int, norm: bool = False, act: bool = False
         warps = 8 if act else 4
     block_k = min(block_k, triton.next_power_of_2(k))
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=3)
+
+
+# The engine's tile past MAX_ROWS (`row_config`), when SWASERVE_GEMV_ROWS asks for more rows: a
+# verify step of speculative decoding ([last, d_1..d_K] per request) or a small decode batch.
+# NOT MEASURED on a GPU yet (a tile of gemv_bench.py's sweep, 16 columns a program so that
+# Llama-8B's q/k/v has 384 programs); correct on the CPU interpreter and compiled for sm_90a.
+DOT_TILE = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=4, use_dot=True)
+
+
+def row_config(rows: int) -> GemvConfig | None:
+    """The config the engine passes for a step of `rows` tokens: None (`default_config`) up to
+    MAX_ROWS, the tensor-core tile past it (at most MAX_DOT_ROWS)."""
+    return None if rows <= MAX_ROWS else DOT_TILE
 
 
 @triton.jit

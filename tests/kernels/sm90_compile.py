@@ -160,8 +160,8 @@ def compile_gemv(case: tuple) -> None:
     pdl = len(case) > 8 and case[8]
     act = norm if isinstance(norm, str) else None  # an activation name in the norm column
     norm = norm is True
-    if m > g.MAX_ROWS:  # the tensor-core variant: a tile of gemv_bench.py's sweep
-        cfg = g.GemvConfig(32, 128, 4, 4, use_dot=True)
+    if m > g.MAX_ROWS:  # the tensor-core variant: the engine's tile past MAX_ROWS rows
+        cfg = g.row_config(m)
     else:
         cfg = g.default_config(m, n, k, norm, act is not None)
     t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]

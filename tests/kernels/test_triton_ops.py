@@ -361,3 +361,58 @@ def test_triton_fused_ops_model(tmp_path, name, backend):
     assert enable_fused_ops(model, enabled=False) == switched
     eager_logits, eager_tokens = run()
     assert torch.equal(eager_logits, want_logits) and eager_tokens == want_tokens
+
+
+@pytest.mark.skipif(_CUDA, reason="CPU engine test")
+def test_triton_gemv_path_past_two_rows(tmp_path, monkeypatch):
+    """SWASERVE_GEMV_ROWS above gemv.MAX_ROWS (an experiment, off by default): batched decode
+    steps of up to 5 rows and n-gram verify steps of K + 1 = 4 rows per request run the decode
+    GEMV's tensor-core tile (`gemv.row_config`), and give the eager blocks' greedy tokens and
+    logprobs (float32)."""
+    from swaserve import Engine, SamplingParams
+    from swaserve.ops import enable_fused_ops
+    from swaserve.ops.gemv import DOT_TILE, row_config
+    from tests.helpers import save_random_hf_model
+
+    monkeypatch.setenv("SWASERVE_GEMV_ROWS", "8")
+    cfg, _ = _tiny_configs()["llama"]
+    save_random_hf_model(cfg, tmp_path)
+    engine = Engine(
+        model=str(tmp_path), device="cpu", dtype="float32", page_size=4, kv_cache_gb=0.01,
+        attention_backend="triton", disable_fused_ops=True, speculative_algorithm="ngram",
+        speculative_num_draft_tokens=3, speculative_ngram_min=1, speculative_ngram_max=2,
+        disable_adaptive_speculation=True,
+    )  # fmt: skip
+    model = engine.core.model
+    gen = torch.Generator().manual_seed(2)
+    # repetitive prompts: the n-gram drafter finds drafts in them
+    prompts = [(torch.randint(0, 128, (4,), generator=gen).tolist() * 4)[: 9 + i] for i in range(5)]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+
+    def run() -> list[list[tuple[int, float]]]:
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=greedy)
+        engine.core.memory.check_integrity()
+        # the verify steps ran (K + 1 = 4 rows a request) and accepted drafts
+        assert sum(o.spec_decoding["spec_verify_ct"] for o in outs) > 0
+        assert sum(o.spec_decoding["spec_accepted_drafts"] for o in outs) > 0
+        return [[(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs] for o in outs]
+
+    want = run()
+    enable_fused_ops(model)
+    assert model.model.gemv_rows == 8 and model.model.takes_gemv(5)
+    assert row_config(2) is None and row_config(5) is DOT_TILE
+    import swaserve.ops.gemv as gemv_module
+
+    rows_seen: list[int] = []
+    plain = gemv_module.gemv
+
+    def counting(x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        rows_seen.append(x.shape[0])
+        return plain(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_module, "gemv", counting)
+    got = run()
+    assert max(rows_seen) > 2  # steps past MAX_ROWS went through the GEMV
+    for a, b in zip(got, want, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) < 1e-4
