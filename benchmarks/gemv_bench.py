@@ -7,12 +7,13 @@ swaserve's RMSNorm or act_and_mul kernel in front, a torch add behind), then eve
 GemvConfig at the first row count, the six fastest at the others (checked first against a
 float32 reference: max |diff| within a few bf16 steps of the output's scale, or it is not
 timed). Rows past `gemv.MAX_ROWS` (`--rows 4 8 16`) sweep the tensor-core variant's tiles
-(`use_dot`) instead; no default config picks it yet. Each timing is a CUDA graph of launches
-over rotating copies of the weight (more bytes than the L2 holds, as the layers of a model are),
-replayed; time per launch, and the weight bytes read per second.
+(`use_dot`) instead; the engine takes `gemv.DOT_TILE` there only with SWASERVE_GEMV_ROWS > 2.
+Each timing is a CUDA graph of launches over rotating copies of the weight (more bytes than
+the L2 holds, as the layers of a model are), replayed; time per launch, and the weight bytes
+read per second.
 
-Usage (GPU machine, repo root): python3 benchmarks/gemv_bench.py [--model llama-8b|gemma-27b]
-    [--rows 1 2] [--shapes qkv o gate_up down head]
+Usage (GPU machine, repo root): python3 benchmarks/gemv_bench.py
+    [--model llama-8b|gemma-27b|smollm2-135m] [--rows 1 2] [--shapes qkv o gate_up down head]
 Prints a table last; JSON lines to $OUT/gemv_bench.jsonl.
 """
 
@@ -43,6 +44,11 @@ SHAPES = {  # name: (N, K)
     "gemma-27b": {
         "qkv": (8192, 5376), "o": (5376, 4096), "gate_up": (43008, 5376),
         "down": (5376, 21504),
+    },
+    # the built-in chat model (9 heads, 3 K/V heads of 64): its speculative verify steps
+    "smollm2-135m": {
+        "qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+        "head": (49152, 576),
     },
 }  # fmt: skip
 CANDIDATES = [  # at the first row count; products in registers per program <= 16,384
