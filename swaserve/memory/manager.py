@@ -240,6 +240,8 @@ class MemoryManager:
         """Drop each request's reference to SWA pages no query at >= num_computed_tokens can
         see. Returns the number of references dropped; a page goes back to the free list only
         if no other holder has it. Work is O(pages retired) per (request, group)."""
+        if not self._swa:  # no window: nothing ever retires (the step loop calls this always)
+            return 0
         dropped: list[int] = []
         for request in requests:
             st = self._requests.get(request.request_id)

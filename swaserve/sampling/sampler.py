@@ -46,6 +46,19 @@ class SamplingRow:
     output_token_ids: list[int]
 
 
+def _plain_greedy_row(row: SamplingRow) -> bool:
+    """The row is argmax of the raw logits: greedy, no penalty, no min_tokens still due (the
+    per-row form of `SamplingTensors.plain_greedy`, read before any tensor is built)."""
+    p = row.params
+    return (
+        p.greedy
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and len(row.output_token_ids) >= p.min_tokens
+    )
+
+
 @dataclass
 class SamplerOutput:
     token_ids: Tensor  # [B] int64, on the logits' device
@@ -339,6 +352,11 @@ class Sampler:
 
     def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        if all(map(_plain_greedy_row, rows)) and not any(r.params.logprobs is not None
+                                                         for r in rows):
+            # argmax of the raw logits, as below, without building [B] parameter tensors (and
+            # their host-to-device copies) that it would not read
+            return SamplerOutput(token_ids=row_argmax(logits))
         t = SamplingTensors.from_rows(rows, logits.shape[1], logits.device, self.eos_token_ids)
 
         if t.plain_greedy:
@@ -373,9 +391,11 @@ class Sampler:
         rows (greedy rows carry neutral values there, so their argmax is the greedy token).
         Masked tokens are -inf. When every row is plain greedy, `logits` itself."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        if all(map(_plain_greedy_row, rows)):
+            return logits  # argmax of the raw logits: nothing to apply (not a copy)
         t = SamplingTensors.from_rows(rows, logits.shape[1], logits.device, self.eos_token_ids)
         if t.plain_greedy:
-            return logits  # argmax of the raw logits: nothing to apply (not a copy)
+            return logits
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         apply_penalties(x, t)
         if not t.all_greedy:
