@@ -160,8 +160,8 @@ class OutputProcessor:
         spaces_special = bool(getattr(params, "spaces_between_special_tokens", True))
 
         def detok() -> IncrementalDetokenizer | None:
-            if self.tokenizer is None:
-                return None
+            if self.tokenizer is None or not params.detokenize:
+                return None  # token ids only: `text` stays empty
             return IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, skip_special, spaces_special
             )

@@ -47,6 +47,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: token ids only, no text (as vLLM's): saves the incremental detokenization's host
+    # work per token (train-drafter's answers, benchmarks); stop strings then cannot be found
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self._check_real("temperature", 0.0, math.inf, "must be >= 0")
@@ -76,9 +79,12 @@ class SamplingParams:
 
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are found in the text)")
 
     # ---- validation helpers -------------------------------------------------------------
 

@@ -221,8 +221,9 @@ def _sequences(engine: Any, args: Any, clock: _Clock) -> list[tuple[list[int], i
         raise ValueError(f"{args.target} has no tokenizer: train-drafter needs text prompts")
     texts = _prompts(engine, args)
     clock.mark(f"{len(texts)} prompts")
+    # the answers' token ids are the data: no text (detokenizing cost host time per token)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                            seed=args.seed if args.temperature > 0 else None)
+                            seed=args.seed if args.temperature > 0 else None, detokenize=False)
     seqs = answer(engine, [prompt_ids(tok, t) for t in texts], params,
                   max_seconds=args.max_generate_seconds)
     n_gen = sum(len(s) - p for s, p in seqs)

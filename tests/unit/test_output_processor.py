@@ -485,3 +485,18 @@ def test_unfinished_character_is_flushed_at_finish():
         (r2,), _ = proc.process([out("r", part[1:], "length")])
         assert r2.finished and r2.text.startswith("" if stream else "the")
         assert r2.text.endswith("\ufffd")
+
+
+def test_detokenize_false_gives_ids_without_text():
+    """detokenize=False (vLLM's): token ids and finish reasons pass through, no text is made,
+    and stop strings (found in the text) are refused when the params are built."""
+    proc = OutputProcessor(BL)
+    ids = encode(BL, "the dog ran")
+    proc.add_request("r", None, [], sp(detokenize=False), ["r"])
+    ros, _ = run_steps(proc, [[out("r", ids[:2])], [out("r", ids[2:], finish="length")]])
+    co = ros[-1].outputs[0]
+    assert co.token_ids == ids and co.text == "" and co.finish_reason == "length"
+    assert proc._requests == {}  # noqa: SLF001 - finished and forgotten
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["dog"], detokenize=False)
+    assert SamplingParams.from_dict(sp(detokenize=False).to_dict()).detokenize is False
