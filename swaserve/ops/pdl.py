@@ -36,16 +36,12 @@ import triton.language as tl
 
 
 @functools.lru_cache(maxsize=8)
-def _device_has_pdl(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (sm_90+, not interpreting, SWASERVE_PDL not
-    0)."""
+    0). Read once per device and process: every launch asks, and an eager step has hundreds."""
     if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SWASERVE_PDL") == "0":
         return False
-    return _device_has_pdl(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def pdl_launch(enabled: bool) -> dict:
