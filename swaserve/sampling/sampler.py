@@ -394,7 +394,7 @@ class Sampler:
         if all(map(_plain_greedy_row, rows)):
             return logits  # argmax of the raw logits: nothing to apply (not a copy)
         t = SamplingTensors.from_rows(rows, logits.shape[1], logits.device, self.eos_token_ids)
-        if t.plain_greedy:
+        if t.plain_greedy:  # min_tokens still due, but nothing to ban (no stop or EOS ids)
             return logits
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         apply_penalties(x, t)
