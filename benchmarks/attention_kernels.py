@@ -3,11 +3,18 @@
 Order: correctness first (kernel vs dense reference on random paged inputs, bf16 and fp8 KV),
 then the copy-bandwidth ceiling, then kernel timings with torch SDPA as the peer on the same
 shapes. Prints a table last. Usage (on the GPU machine): python benchmarks/attention_kernels.py
+
+`--merge` runs only the split-merge part: the in-kernel merge (the last split merges) against
+the separate `_reduce_splits` launch (SWASERVE_ATTN_MERGE=0) on the same inputs, 200 launches of
+each back to back so that a missing release/acquire would show as a mismatch, then both timed
+in CUDA graphs at batch 1 and 8.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import sys
 
 import torch
@@ -98,8 +105,54 @@ def decode_bench(b, ctx, kv_dtype, bw):
     )
 
 
+def _decode_call(b, ctx, splits, seed=0):
+    h, hkv, d = 32, 8, 128
+    q, kc, vc, bt, qsl, sl, _ = paged_inputs([1] * b, [ctx - 1] * b, h, hkv, d, seed=seed)
+    out = torch.empty_like(q)
+    return lambda: paged_attention(q, kc, vc, bt, qsl, sl, max_query_len=1, max_seq_len=ctx,
+                                   scale=d**-0.5, num_splits=splits, out=out)
+
+
+def _with_merge(in_kernel: bool, f):
+    os.environ["SWASERVE_ATTN_MERGE"] = "1" if in_kernel else "0"
+    try:
+        return f()
+    finally:
+        os.environ.pop("SWASERVE_ATTN_MERGE")
+
+
+def merge_check() -> bool:
+    ok = True
+    for b, ctx, splits in ((1, 130, 64), (1, 8192, 64), (4, 30000, 64), (64, 4096, 8)):
+        f = _decode_call(b, ctx, splits, seed=b)
+        want = _with_merge(False, lambda f=f: f().clone())
+        outs = _with_merge(True, lambda f=f: [f().clone() for _ in range(200)])
+        err = max((o.float() - want.float()).abs().max().item() for o in outs)
+        bad = sum(not torch.equal(o, outs[0]) for o in outs)
+        good = err < 1e-2 and bad == 0
+        ok &= good
+        rows.append(f"merge check B={b} ctx={ctx} splits={splits}: max|in-kernel - separate| "
+                    f"{err:.1e}, launches unlike the first {bad}/200 {'OK' if good else 'FAIL'}")
+    for b, ctx in ((1, 130), (1, 4096), (8, 4096)):
+        f = _decode_call(b, ctx, 64)
+        for in_kernel in (False, True, False, True):
+            f_ = functools.partial(_with_merge, in_kernel, f)
+            f_()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                f_()
+            us = triton.testing.do_bench_cudagraph(g.replay, rep=200) * 1e3
+            rows.append(f"decode B={b} ctx={ctx} 64 splits, merge "
+                        f"{'in kernel' if in_kernel else 'separate '}: {us:6.2f} us")
+    return ok
+
+
 def main() -> int:
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
+    if "--merge" in sys.argv:
+        ok = merge_check()
+        print("\n".join(rows))
+        return 0 if ok else 1
     ok = True
     ok &= check("prefill 2x300 causal", [300, 300], [0, 0])
     ok &= check("chunk 128 over 1000 cached + decodes", [128, 1, 1], [1000, 513, 77])

@@ -4,9 +4,11 @@ interpreter `triton.jit` gives functions that cannot be compiled); prints one JS
 case: {"case": ..., "ok": bool, "error": str}.
 
 Each case is (name, q dtype, kv dtype, head_dim, group, max_query_len, window, softcap, sinks,
-num_splits, fresh_new[, pdl]); the constexprs come from `kernel_constexprs`, as in a launch, with
-pointers and strides marked 16-divisible as Triton specialises them at launch. A case with
-`pdl` (swaserve/ops/pdl.py) must also show the PDL instructions in its PTX.
+num_splits, fresh_new[, pdl[, merge_last]]); the constexprs come from `kernel_constexprs`, as in
+a launch, with pointers and strides marked 16-divisible as Triton specialises them at launch. A
+case with `pdl` (swaserve/ops/pdl.py) must also show the PDL instructions in its PTX. Split cases
+merge in the kernel as launched (`merge_last`, default on with splits): their PTX must hold the
+barrier and the gpu-scope acq_rel atomic the merge's ordering rests on.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ CASES = [
     # batch-1 decode with programmatic dependent launch (a decode graph's launch)
     ("decode bf16 D128 G4 64 splits pdl", torch.bfloat16, torch.bfloat16, 128, 4, 1, 0, 0.0,
      False, 64, False, True),
+    # the separate merge (`_reduce_splits`), as SWASERVE_ATTN_MERGE=0 or a capture without the
+    # counters launch it
+    ("decode bf16 D128 G4 64 splits pdl separate merge", torch.bfloat16, torch.bfloat16, 128, 4,
+     1, 0, 0.0, False, 64, False, True, False),
+    ("decode bf16 D256 G2 window sinks 8 splits", torch.bfloat16, torch.bfloat16, 256, 2, 1,
+     1024, 0.0, True, 8, False),
 ]
 
 def _check_pdl(kernel, pdl: bool) -> None:
@@ -60,17 +68,19 @@ def compile_case(case: tuple) -> None:
 
     _, q_dtype, kv, d, group, qlen, window, softcap, sinks, splits, fresh = case[:11]
     pdl = len(case) > 11 and case[11]
+    merge = case[12] if len(case) > 12 else splits > 1
     kv_dtype = pa.FP8 if kv == "fp8" else kv
     cfg = pa.attention_config(d, group, qlen, kv_dtype)
     consts = pa.kernel_constexprs(
         q_dtype, kv_dtype, d, group, 16, cfg, window=window, softcap=softcap, use_sinks=sinks,
         num_splits=splits, fresh_new=fresh, interpret=False, fp8_cvt=True, pdl=pdl,
+        merge_last=merge,
     )
     tq = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[q_dtype]
     tkv = "fp8e4nv" if kv == "fp8" else tq
     ptrs = {"k_cache_ptr": tkv, "v_cache_ptr": tkv, "block_table_ptr": "i32", "qsl_ptr": "i32",
             "seq_lens_ptr": "i32", "sinks_ptr": "fp32", "part_acc_ptr": "fp32",
-            "part_ml_ptr": "fp32"}
+            "part_ml_ptr": "fp32", "part_n_ptr": "i32", "counter_ptr": "i32"}
     fn = pa._paged_attn_kernel
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -91,6 +101,10 @@ def compile_case(case: tuple) -> None:
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     _check_pdl(kernel, pdl)
+    ptx = kernel.asm["ptx"]
+    in_kernel = "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx
+    if in_kernel != (merge and splits > 1) or (in_kernel and "bar.sync" not in ptx):
+        raise AssertionError(f"in-kernel split merge: atomic in PTX {in_kernel}, wanted {merge}")
 
 
 # The split merge (`_reduce_splits`): one variant for every split count (a runtime loop bound).

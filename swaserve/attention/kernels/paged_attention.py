@@ -31,8 +31,10 @@ whose first tiles are fully masked keeps alpha = 1, p = 0 and never produces NaN
 extra logit per head with no value) seed the softmax: m = sink, l = 1.
 
 Split-KV (flash-decoding): with SPLIT_KV each program takes a contiguous share of its block's
-key tiles and writes an unnormalised partial (acc, m, l) per row; `_reduce_splits` merges them
-(and adds the sink term once). The split count, chosen by `choose_num_splits`, is the grid's
+key tiles and writes an unnormalised partial (acc, m, l) per row. The last program of a block to
+finish merges them (and adds the sink term once) in the same launch (`MERGE_LAST`: an arrival
+counter per (query block, KV head), `merge_counters`); `_reduce_splits`, a launch of its own,
+does it where the counters are not available. The split count, chosen by `choose_num_splits`, is the grid's
 third dimension and a runtime value in both kernels, so every count shares one compiled variant.
 Splits past a block's last key tile return at once, and split 0 writes how many hold keys, so
 the merge reads only those (a CUDA graph's count is sized for its longest context).
@@ -74,6 +76,7 @@ import triton.language as tl
 from swaserve.ops.pdl import pdl_enabled, pdl_launch, pdl_wait
 
 LOG2E = 1.4426950408889634
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # the same, inside kernels
 FP8 = torch.float8_e4m3fn
 MAX_SPLITS = 64
 MAX_SPLIT_BYTES = 64 << 20  # split-KV partials of one launch, at most
@@ -210,6 +213,29 @@ def choose_num_splits(
         return 1
     cap = min(MAX_SPLITS, 1 << (by_keys.bit_length() - 1))  # power of two <= by_keys
     return min(cap, triton.next_power_of_2(want))
+
+
+MERGE_COUNTERS = 1 << 16  # (query block, KV head) pairs one launch may merge in-kernel
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The zeroed int32 arrival counters of the in-kernel split merge on `device`, or None for
+    the separate `_reduce_splits` launch: when a launch needs more than MERGE_COUNTERS, when
+    SWASERVE_ATTN_MERGE=0 (A/B runs), or when the buffer does not exist yet and a CUDA graph is
+    being captured (a buffer allocated there would belong to the graph's pool).
+
+    Invariant: every launch leaves each counter it used at zero (the last split re-arms it), so
+    the buffer is shared by all launches on the device; they must run one after another, as a
+    step's launches on one stream do (graphs replay on that stream too)."""
+    if needed > MERGE_COUNTERS or os.environ.get("SWASERVE_ATTN_MERGE") == "0":
+        return None
+    buf = _counters.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counters[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 # ---- attention kernel -------------------------------------------------------------------------
@@ -478,7 +504,8 @@ def _paged_attn_kernel(
     sinks_ptr,
     part_acc_ptr,  # [T, H, splits, D_PAD] float32 (split path only)
     part_ml_ptr,  # [T, H, splits, 2] float32: running max (log2), denominator
-    part_n_ptr,  # [T, H] int32: the splits holding keys (split 0 writes it)
+    part_n_ptr,  # [T, H] int32: the splits holding keys (split 0 writes it; not MERGE_LAST)
+    counter_ptr,  # [>= grid0 * grid1] int32, zero between launches (MERGE_LAST only)
     k_new_ptr,  # [T, Hkv, D] the step's own K/V (FRESH_NEW only)
     v_new_ptr,
     num_seqs,
@@ -518,6 +545,7 @@ def _paged_attn_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     SPLIT_KV: tl.constexpr,  # the split count is the grid's third dimension, not a constexpr
+    MERGE_LAST: tl.constexpr,  # SPLIT_KV: the last split to finish merges (no `_reduce_splits`)
     DOT_F16: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -662,9 +690,59 @@ def _paged_attn_kernel(
         )
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
-        if split == 0:
+        if MERGE_LAST:
+            # The `used` programs of this (query block, KV head) count themselves in; the last
+            # to arrive merges every partial (its own included) and re-arms the counter for the
+            # next launch. Release: the barrier orders all threads' partial stores before the
+            # one thread's gpu-scope atomic (CUTLASS's split-K semaphore does the same); the
+            # acquire side reads the partials past L1 (.cg).
+            tl.debug_barrier()
+            counter = counter_ptr + pid * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == used - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                o = _merge_partials(
+                    part_acc_ptr, part_ml_ptr, sinks_ptr, part - split, used, head, hg < G,
+                    row_valid, d, store_mask, D_PAD, BLOCK_M, USE_SINKS,
+                )
+                o_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+                tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+        elif split == 0:
             n_row = tl.full([BLOCK_M], 0, tl.int32) + used
             tl.store(part_n_ptr + tok * (tl.num_programs(1) * G) + head, n_row, mask=row_valid)
+
+
+@triton.jit
+def _merge_partials(
+    part_acc_ptr, part_ml_ptr, sinks_ptr, base, used, head, head_valid, row_valid, d,
+    store_mask, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, USE_SINKS: tl.constexpr,
+):
+    """The normalised output of rows whose `used` partials start at `base` ([BLOCK_M]): the
+    online-softmax merge of (acc_j, m_j, l_j) in split order, seeded with the sink when there is
+    one (the splits leave it out). Loads bypass L1: other programs wrote these during this
+    launch."""
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        m = tl.load(sinks_ptr + head, mask=head_valid, other=0.0).to(tl.float32) * LOG2E_C
+        den = tl.full([BLOCK_M], 1.0, tl.float32)
+    o = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    s = 0
+    while s < used:  # a runtime bound (the interpreter takes no range() over one)
+        ms = tl.load(part_ml_ptr + (base + s) * 2, mask=row_valid, other=-1.0e30,
+                     cache_modifier=".cg")  # fmt: skip
+        ls = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=row_valid, other=0.0,
+                     cache_modifier=".cg")  # fmt: skip
+        acc = tl.load(part_acc_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=store_mask,
+                      other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, ms)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(ms - m_new)
+        den = den * alpha + ls * beta
+        o = o * alpha[:, None] + acc * beta[:, None]
+        m = m_new
+        s += 1
+    return o / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -749,10 +827,12 @@ def kernel_constexprs(
     interpret: bool,
     fp8_cvt: bool,
     pdl: bool = False,
+    merge_last: bool = False,
 ) -> dict:
     """The compile-time parameters of one `_paged_attn_kernel` launch (also what the sm_90a
     compile test builds kernels from, on a machine without a GPU). `fp8_cvt`: the device has
-    the packed e4m3 -> f16 conversion (sm_89+); `pdl`: launched with PDL (swaserve/ops/pdl.py)."""
+    the packed e4m3 -> f16 conversion (sm_89+); `pdl`: launched with PDL (swaserve/ops/pdl.py);
+    `merge_last`: with splits, the last split of each block merges them (`merge_counters`)."""
     # tl.dot needs K >= 16 when compiled for a GPU (the interpreter takes any size): heads
     # narrower than 16 (tiny test drafters) are padded and masked like any other padding.
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -783,6 +863,7 @@ def kernel_constexprs(
         USE_SOFTCAP=bool(softcap),
         USE_SINKS=use_sinks,
         SPLIT_KV=num_splits > 1,
+        MERGE_LAST=merge_last and num_splits > 1,
         DOT_F16=dot_f16,
         DOT_F32=dot_f32,
         DOT_PRECISION="ieee" if (dot_f32 or q_dtype == torch.float32) else "tf32",
@@ -926,10 +1007,13 @@ def _launch(
             num_splits //= 2
     num_splits = triton.next_power_of_2(max(1, num_splits))
     pdl = pdl_enabled(q.device)
+    grid = (t // cfg.block_q + num_seqs, hkv, num_splits)
+    counters = merge_counters(q.device, grid[0] * grid[1]) if num_splits > 1 else None
     consts = kernel_constexprs(
         q.dtype, k_cache.dtype, d, group, k_cache.shape[1], cfg, window=window,
         softcap=softcap, use_sinks=sinks is not None, num_splits=num_splits,
         fresh_new=fresh_new, interpret=_interpreting(), fp8_cvt=_has_fp8_cvt(q.device), pdl=pdl,
+        merge_last=counters is not None,
     )
     d_pad = consts["D_PAD"]
     qk_scale = scale * k_scale
@@ -938,10 +1022,10 @@ def _launch(
     if num_splits > 1:
         part_acc = torch.empty((t, h, num_splits, d_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((t, h, num_splits, 2), dtype=torch.float32, device=q.device)
-        part_n = torch.empty((t, h), dtype=torch.int32, device=q.device)
+        part_n = out if counters is not None else torch.empty((t, h), dtype=torch.int32,
+                                                              device=q.device)  # fmt: skip
     else:
         part_acc = part_ml = part_n = out  # unused
-    grid = (t // cfg.block_q + num_seqs, hkv, num_splits)
     _run(
         _paged_attn_kernel,
         grid,
@@ -956,6 +1040,7 @@ def _launch(
         part_acc,
         part_ml,
         part_n,
+        out if counters is None else counters,  # dummy pointer when unused
         k_new,
         v_new,
         num_seqs,
@@ -988,7 +1073,7 @@ def _launch(
         num_stages=cfg.num_stages,
         **pdl_launch(pdl),
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         _run(
             _reduce_splits,
             (t, h),
