@@ -85,8 +85,10 @@ class AttentionBackend(ABC):
         fb: ForwardBatch,
         out: torch.Tensor | None = None,
         prologue: QKPrologue | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """Store k/v `[T, Hkv, D]` in the pool, attend with q `[T, H, D]`; returns `[T, H, D]`
         (written into `out` when given: the static buffer of piecewise CUDA graphs). With a
         `prologue` (only where `fuses_qk_prologue`), q and k are not normed and rotated yet:
-        the backend does that first, in place, at `fb.positions`."""
+        the backend does that first, in place, at `fb.positions`. `kv_stored` (only where the
+        backend has `kv_destination`): q and k are rotated and k/v already in the pool."""

@@ -165,7 +165,9 @@ class TorchBackend(AttentionBackend):
         fb: ForwardBatch,
         out: torch.Tensor | None = None,
         prologue: QKPrologue | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
+        assert not kv_stored, "the torch backend has no kv_destination: it stores K/V itself"
         if prologue is not None:  # not asked for here (fuses_qk_prologue False): eager blocks
             if prologue.q_norm is not None:
                 q, k = prologue.q_norm(q), prologue.k_norm(k)

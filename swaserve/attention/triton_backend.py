@@ -102,6 +102,16 @@ class TritonBackend(AttentionBackend):
             min_query_len=min(inputs.query_lens, default=0),
         )
 
+    def kv_destination(
+        self, layer_id: int, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+        """Where this step's new K/V of `layer_id` go: (k_cache, v_cache, flat slots [T],
+        k_scale, v_scale), for a kernel that stores them itself (`forward(kv_stored=True)`)."""
+        meta: TritonMetadata = fb.metadata
+        gm = meta.groups[self.layout.layer_to_group[layer_id]]
+        k_cache, v_cache = fb.kv.layer_cache(layer_id)
+        return (k_cache, v_cache, gm.slot_mapping, *_kv_scales(fb.kv, layer_id))
+
     def forward(
         self,
         q: torch.Tensor,
@@ -112,12 +122,15 @@ class TritonBackend(AttentionBackend):
         fb: ForwardBatch,
         out: torch.Tensor | None = None,
         prologue: QKPrologue | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         meta: TritonMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
         k_cache, v_cache = fb.kv.layer_cache(spec.layer_id)
         k_scale, v_scale = _kv_scales(fb.kv, spec.layer_id)
-        if prologue is not None:
+        if kv_stored:  # q and k rotated, k and v in the cache (the q/k/v GEMV's epilogue)
+            pass
+        elif prologue is not None:
             qk_rope_store(fb.positions, q, k, v, prologue, k_cache, v_cache, gm.slot_mapping,
                           k_scale, v_scale)
         else:

@@ -83,7 +83,9 @@ class _Splitter:
         sinks: torch.Tensor | None,
         fb: ForwardBatch,
         prologue: QKPrologue | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
+        assert not kv_stored, "no kv_destination here: the backend between the pieces stores"
         o = self.owner
         qs, ks, vs, out = o.views(q.shape[0], spec)
         qs.copy_(q)

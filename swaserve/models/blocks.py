@@ -12,6 +12,7 @@ the per-projection weights become row views of the merged ones, so both paths sh
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -299,30 +300,57 @@ class Attention(nn.Module):
             self._attend(positions, self.q_proj(x), self.k_proj(x), self.v_proj(x), fb)
         )
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch, kv_stored: bool = False
+    ) -> torch.Tensor:
         """The attention output `[T, H D]`, before o_proj, from one merged q|k|v projection
-        output (q, k, v are strided views of it)."""
+        output (q, k, v are strided views of it). `kv_stored`: the projection already rotated
+        q and k and stored k and v (the GEMV's `RopeStore`, `gemv_rope_store`)."""
         s = self.spec
         kv_dim = s.num_kv_heads * s.head_dim
         q, k, v = qkv.split([s.num_heads * s.head_dim, kv_dim, kv_dim], dim=-1)
-        return self._attend(positions, q, k, v, fb)
+        return self._attend(positions, q, k, v, fb, kv_stored)
 
     def _attend(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        fb: ForwardBatch,
+        fb: ForwardBatch, kv_stored: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         t = q.shape[0]
         s = self.spec
         q = q.view(t, s.num_heads, s.head_dim)
         k = k.view(t, s.num_kv_heads, s.head_dim)
         v = v.view(t, s.num_kv_heads, s.head_dim)
-        prologue = self.prologue(fb.backend)
-        if prologue is None:
+        prologue = None if kv_stored else self.prologue(fb.backend)
+        if prologue is None and not kv_stored:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        out = fb.backend.forward(q, k, v, s, self.sinks, fb, prologue=prologue)
+        out = fb.backend.forward(q, k, v, s, self.sinks, fb, prologue=prologue,
+                                 kv_stored=kv_stored)  # fmt: skip
         return out.reshape(t, s.num_heads * s.head_dim)
+
+    def gemv_rope_store(self, positions: torch.Tensor, fb: ForwardBatch, block_n: int) -> Any:
+        """The prologue for the q/k/v GEMV to finish (`swaserve.ops.gemv.RopeStore`), or None
+        where it cannot: q/k norms (they need whole heads), partial rotary, a backend without
+        the fused prologue, a tile of `block_n` columns that cannot own rotary half-tiles, or
+        SWASERVE_GEMV_ROPE=0 (A/B runs)."""
+        from swaserve.ops.gemv import RopeStore, rope_store_fits
+
+        s = self.spec
+        if (
+            self.q_norm is not None
+            or self.prologue(fb.backend) is None
+            or not hasattr(fb.backend, "kv_destination")
+            or not rope_store_fits(s.head_dim, self.rotary.inv_freq.shape[0], block_n)
+            or os.environ.get("SWASERVE_GEMV_ROPE") == "0"
+        ):
+            return None
+        k_cache, v_cache, slots, k_scale, v_scale = fb.backend.kv_destination(s.layer_id, fb)
+        return RopeStore(
+            positions, self.rotary.inv_freq, self.rotary.attention_scaling, slots, k_cache,
+            v_cache, k_scale, v_scale, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+            s.head_dim,
+        )
 
     def prologue(self, backend: object) -> Any:
         """The q/k norms and rotary for `backend` to apply, fused with its K/V store (one

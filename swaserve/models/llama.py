@@ -90,12 +90,17 @@ class LlamaDecoderLayer(nn.Module):
         GEMV it feeds, the gated activation in front of down, and each residual add behind o
         and down, so the layer is four GEMVs and the attention launches. Takes and returns the
         residual stream (no normed copy between layers)."""
-        from swaserve.ops.gemv import gemv, row_config
+        from swaserve.ops.gemv import default_config, gemv, row_config
 
         attn, mlp = self.self_attn, self.mlp
         cfg = row_config(h.shape[0])
-        qkv = gemv(h, attn.qkv_weight, attn.qkv_bias, norm=self.input_layernorm, config=cfg)
-        a = attn.attend(positions, qkv, fb)
+        # the q/k/v GEMV also rotates q/k and stores K/V where the model allows (RopeStore)
+        w = attn.qkv_weight
+        qkv_cfg = cfg or default_config(h.shape[0], w.shape[0], w.shape[1], norm=True)
+        store = attn.gemv_rope_store(positions, fb, qkv_cfg.block_n)
+        qkv = gemv(h, w, attn.qkv_bias, norm=self.input_layernorm, config=qkv_cfg,
+                   rope_store=store)  # fmt: skip
+        a = attn.attend(positions, qkv, fb, kv_stored=store is not None)
         h = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=h, config=cfg)
         gu = gemv(h, mlp.gate_up_weight, mlp.gate_up_bias, norm=self.post_attention_layernorm,
                   config=cfg)  # fmt: skip

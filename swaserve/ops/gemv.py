@@ -22,7 +22,14 @@ The products accumulate elementwise in registers ([rows, BLOCK_N, BLOCK_K] float
 summed over K once, after the loop; K is a constexpr so the loop is a `tl.range` the compiler
 pipelines. A `use_dot` config instead runs tensor-core dots on x padded to 16 rows and rounded
 to the weights' dtype (the GEMM's input, as on the cuBLAS path), for 3 to 16 rows.
-`benchmarks/gemv_bench.py` times the tiles against cuBLAS per shape."""
+`benchmarks/gemv_bench.py` times the tiles against cuBLAS per shape.
+
+The q/k/v GEMV can also finish the attention prologue (`RopeStore`, models without q/k norms
+and with full-width neox rotary: Llama, Mistral): its programs then own half-tiles of rotary
+partners (columns c .. c + P - 1 and c + D/2 .. c + D/2 + P - 1 of one head, P = BLOCK_N / 2;
+the weight rows are gathered, so any column set reads as fast), rotate q and k in the
+epilogue and write k and v to the token's cache slot: one launch a layer instead of two
+(`qk_rope_store`). Numerics are those of `qk_rope_store` on this GEMV's rounded output."""
 
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from swaserve.attention.kernels.paged_attention import _round_to_e4m3
 from swaserve.ops.activation import ACT_IDS, gated
 from swaserve.ops.pdl import pdl_enabled, pdl_launch, pdl_wait
 from swaserve.ops.rmsnorm import NormParams
@@ -82,6 +90,33 @@ def default_config(m: int, n: int, k: int, norm: bool = False, act: bool = False
 DOT_TILE = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=4, use_dot=True)
 
 
+@dataclass(frozen=True)
+class RopeStore:
+    """The attention prologue the q/k/v GEMV finishes (module docstring): rotary at
+    `positions` [m] (`inv_freq` [D / 2] float32, `rot_scale` YaRN's attention scaling), then
+    k and v to flat `slots` [m] (int64; negative: padding, stored nowhere) of the layer's
+    caches [pages, page_size, Hkv, D] (fp8 with the layer's scales). The output's columns are
+    q [Hq D] | k [Hkv D] | v [Hkv D]."""
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    rot_scale: float
+    slots: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: float
+    v_scale: float
+    q_dim: int  # Hq * D
+    kv_dim: int  # Hkv * D
+    head_dim: int
+
+
+def rope_store_fits(head_dim: int, half: int, block_n: int) -> bool:
+    """Whether a GEMV tile of `block_n` columns can own whole rotary half-tiles of a head."""
+    p = block_n // 2
+    return 2 * half == head_dim and p > 0 and half % p == 0
+
+
 def row_config(rows: int) -> GemvConfig | None:
     """The config the engine passes for a step of `rows` tokens: None (`default_config`) up to
     MAX_ROWS, the tensor-core tile past it (at most MAX_DOT_ROWS)."""
@@ -92,6 +127,8 @@ def row_config(rows: int) -> GemvConfig | None:
 def _gemv_kernel(
     X, W, B, R, G, Y,
     M, N, stride_xm, stride_wn, stride_rm, stride_ym, eps, g_offset,
+    POS, INV_FREQ, SLOTS, K_CACHE, V_CACHE, rot_scale, k_scale, v_scale,  # ROPE only
+    stride_cp, stride_co, stride_ch, stride_dp, stride_do, stride_dh,
     K: tl.constexpr,  # a constexpr: the loop is a pipelined `tl.range` (one variant per K)
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
     ACT: tl.constexpr,  # -1, or x = act(X[:, :K]) * X[:, K:] (activation.ACT_IDS)
@@ -100,10 +137,20 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with PDL (ops/pdl.py)
+    ROPE: tl.constexpr = False,  # the q/k/v GEMV finishing the prologue (`RopeStore`)
+    Q_DIM: tl.constexpr = 0, KV_DIM: tl.constexpr = 0, HEAD_D: tl.constexpr = 0,
+    PAGE_SIZE: tl.constexpr = 0, FP8: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pdl_wait(USE_PDL)  # x, the residual and Y belong to the kernels around this one
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    j = tl.arange(0, BLOCK_N)
+    if ROPE:  # half-tiles of rotary partners: c + j for j < P, c + D/2 + (j - P) after
+        PER_HEAD: tl.constexpr = HEAD_D // BLOCK_N  # programs per head
+        rn = (pid // PER_HEAD) * HEAD_D + (pid % PER_HEAD) * HALF_N + j % HALF_N \
+            + (j // HALF_N) * (HEAD_D // 2)
+    else:
+        rn = pid * BLOCK_N + j
     rn_load = tl.minimum(rn, N - 1)  # rows past N load row N - 1 (unmasked) and are not stored
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -153,10 +200,60 @@ def _gemv_kernel(
     if HAS_BIAS:
         y += tl.load(B + rn_load).to(tl.float32)[None, :]
     mask = m_ok[:, None] & (rn < N)[None, :]
+    if ROPE:
+        y = _rope_store_epilogue(
+            y, rn, j, pid, rm, m_ok, mask, POS, INV_FREQ, SLOTS, K_CACHE, V_CACHE, rot_scale,
+            k_scale, v_scale, stride_cp, stride_co, stride_ch, stride_dp, stride_do, stride_dh,
+            Y.dtype.element_ty, Q_DIM, KV_DIM, HEAD_D, PAGE_SIZE, FP8, BLOCK_M, BLOCK_N,
+        )
     if HAS_RES:
         res = tl.load(R + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
         y += res.to(tl.float32)
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_store_epilogue(
+    y, rn, j, pid, rm, m_ok, mask, POS, INV_FREQ, SLOTS, K_CACHE, V_CACHE, rot_scale, k_scale,
+    v_scale, stride_cp, stride_co, stride_ch, stride_dp, stride_do, stride_dh,
+    dtype: tl.constexpr, Q_DIM: tl.constexpr, KV_DIM: tl.constexpr, HEAD_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """y [rows, columns] of this program's half-tiles, rounded as stored, then rotated where it
+    is q or k (`qk_rope_store`'s arithmetic: cos, sin and each product rounded to the dtype);
+    k and v columns also go to their row's cache slot. Returns what the GEMV stores."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    PER_HEAD: tl.constexpr = HEAD_D // BLOCK_N
+    y = rounded(y, dtype)
+    # the partner of column j is column j +- P: flip the [2, P] halves (bit-exact)
+    yp = tl.reshape(tl.flip(tl.reshape(y, [BLOCK_M, 2, HALF_N]), 1), [BLOCK_M, BLOCK_N])
+    inv_freq = tl.load(INV_FREQ + (pid % PER_HEAD) * HALF_N + j % HALF_N).to(tl.float32)
+    pos = tl.load(POS + rm, mask=m_ok, other=0).to(tl.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    cos = rounded(tl.cos(freqs) * rot_scale, dtype)
+    sin = rounded(tl.sin(freqs) * rot_scale, dtype)
+    sign = tl.where(j < HALF_N, -1.0, 1.0)[None, :]  # rotate_half: (-x2, x1)
+    turned = rounded(rounded(y * cos, dtype) + sign * rounded(yp * sin, dtype), dtype)
+    is_v = rn >= Q_DIM + KV_DIM  # one program's columns lie in one of q, k, v (whole heads)
+    y = tl.where(is_v[None, :], y, turned)
+    if pid * BLOCK_N >= Q_DIM:  # k or v: the token's cache slot too
+        slot = tl.load(SLOTS + rm, mask=m_ok, other=-1).to(tl.int64)
+        col = tl.where(is_v, rn - Q_DIM - KV_DIM, rn - Q_DIM)
+        page = slot // PAGE_SIZE
+        off = slot % PAGE_SIZE
+        head = col // HEAD_D
+        d = col % HEAD_D
+        kc = K_CACHE + page[:, None] * stride_cp + off[:, None] * stride_co \
+            + (head * stride_ch + d)[None, :]
+        vc = V_CACHE + page[:, None] * stride_dp + off[:, None] * stride_do \
+            + (head * stride_dh + d)[None, :]
+        c = y
+        if FP8:
+            scale = tl.where(is_v, v_scale, k_scale)[None, :]
+            c = _round_to_e4m3(tl.minimum(tl.maximum(y / scale, -448.0), 448.0))
+        ok = mask & (slot >= 0)[:, None]
+        tl.store(tl.where(is_v[None, :], vc, kc), c.to(K_CACHE.dtype.element_ty), mask=ok)
+    return y
 
 
 def gemv(
@@ -168,12 +265,15 @@ def gemv(
     residual: torch.Tensor | None = None,
     act: str | None = None,
     config: GemvConfig | None = None,
+    rope_store: RopeStore | None = None,
 ) -> torch.Tensor:
     """[norm](x) @ weight^T [+ bias] [+ residual] for x of [m, k] (m <= MAX_ROWS, unit
     stride along k) and a contiguous weight of [n, k]; returns a new contiguous [m, n] tensor
     in x's dtype. `norm` is an RMSNorm over k (blocks.RMSNorm), `residual` an [m, n] tensor.
     With `act` (a `blocks.ACTIVATIONS` name) x is a merged gate|up output of [m, 2k] and the
-    product's input is act(gate) * up, rounded as `act_and_mul` rounds it."""
+    product's input is act(gate) * up, rounded as `act_and_mul` rounds it. With `rope_store`
+    (the q/k/v GEMV, `rope_store_fits` for its tile) q and k come out rotated and k and v are
+    also written to the cache."""
     m, k = x.shape
     if act is not None:
         k //= 2
@@ -200,18 +300,33 @@ def gemv(
         assert residual.shape == (m, n) and residual.stride(1) == 1
     g = norm.weight if norm is not None else x
     use_pdl = pdl_enabled(x.device)
+    rs = rope_store
+    if rs is not None:
+        d = rs.head_dim
+        assert n == rs.q_dim + 2 * rs.kv_dim and rs.q_dim % d == 0 and rs.kv_dim % d == 0
+        assert rope_store_fits(d, rs.inv_freq.shape[0], cfg.block_n), (d, cfg)
+        assert rs.k_cache.dtype == rs.v_cache.dtype and rs.k_cache.stride(3) == 1
+        caches = (rs.positions, rs.inv_freq, rs.slots, rs.k_cache, rs.v_cache,
+                  float(rs.rot_scale), float(rs.k_scale), float(rs.v_scale),
+                  *rs.k_cache.stride()[:3], *rs.v_cache.stride()[:3])  # fmt: skip
+        rope = dict(ROPE=True, Q_DIM=rs.q_dim, KV_DIM=rs.kv_dim, HEAD_D=d,
+                    PAGE_SIZE=rs.k_cache.shape[1], FP8=rs.k_cache.dtype == torch.float8_e4m3fn)
+    else:
+        caches = (x, x, x, x, x, 1.0, 1.0, 1.0, 0, 0, 0, 0, 0, 0)  # dummies, never read
+        rope = {}
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else x, residual if residual is not None else x,
         g, y, m, n, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0),
         norm.eps if norm is not None else 0.0,
         1.0 if norm is not None and norm.unit_offset else 0.0,
+        *caches,
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_NORM=norm is not None,
         ACT=-1 if act is None else ACT_IDS[act], USE_DOT=cfg.use_dot,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", NUM_STAGES=cfg.num_stages,
         BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        USE_PDL=use_pdl, **pdl_launch(use_pdl),
+        USE_PDL=use_pdl, **rope, **pdl_launch(use_pdl),
     )  # fmt: skip
     return y

@@ -144,7 +144,8 @@ def compile_reduce(case: tuple) -> None:
 
 
 # The decode GEMV (swaserve/ops/gemv.py), default tiles: (name, dtype, rows, N, K, norm, bias,
-# residual[, pdl])
+# residual[, pdl[, rope]]); rope: the q/k/v GEMV finishing the attention prologue (RopeStore)
+# into a "model" or "fp8" cache, Llama-8B's heads (32 q, 8 kv, D 128)
 GEMV_CASES = [
     ("gemv bf16 norm", torch.bfloat16, 1, 6144, 4096, True, False, False),
     ("gemv bf16 norm wide", torch.bfloat16, 2, 28672, 4096, True, False, False),
@@ -159,6 +160,12 @@ GEMV_CASES = [
      True),
     ("gemv bf16 norm pdl", torch.bfloat16, 1, 6144, 4096, True, False, False, True),
     ("gemv bf16 silu residual pdl", torch.bfloat16, 1, 4096, 14336, "silu", False, True, True),
+    ("gemv bf16 norm rope store pdl", torch.bfloat16, 1, 6144, 4096, True, False, False, True,
+     "model"),
+    ("gemv bf16 norm rope store fp8 2 rows", torch.bfloat16, 2, 6144, 4096, True, False, False,
+     False, "fp8"),
+    ("gemv dot bf16 norm rope store 8 rows", torch.bfloat16, 8, 6144, 4096, True, False, False,
+     False, "model"),
 ]
 
 
@@ -172,6 +179,7 @@ def compile_gemv(case: tuple) -> None:
 
     _, dtype, m, n, k, norm, bias, res = case[:8]
     pdl = len(case) > 8 and case[8]
+    rope = case[9] if len(case) > 9 else None
     act = norm if isinstance(norm, str) else None  # an activation name in the norm column
     norm = norm is True
     if m > g.MAX_ROWS:  # the tensor-core variant: the engine's tile past MAX_ROWS rows
@@ -185,15 +193,22 @@ def compile_gemv(case: tuple) -> None:
         BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=pdl,
     )
+    if rope:
+        assert g.rope_store_fits(128, 64, cfg.block_n), cfg
+        consts.update(ROPE=True, Q_DIM=32 * 128, KV_DIM=8 * 128, HEAD_D=128, PAGE_SIZE=16,
+                      FP8=rope == "fp8")  # fmt: skip
+    cache_t = "fp8e4nv" if rope == "fp8" else t
+    ptrs = {"POS": "i64", "INV_FREQ": "fp32", "SLOTS": "i64", "K_CACHE": cache_t,
+            "V_CACHE": cache_t}  # fmt: skip
     fn = g._gemv_kernel
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
-        elif name in ("X", "W", "B", "R", "G", "Y"):
-            sig[name] = "*" + t
+        elif name in ("X", "W", "B", "R", "G", "Y") or name in ptrs:
+            sig[name] = "*" + ptrs.get(name, t)
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("eps", "g_offset"):
+        elif name in ("eps", "g_offset", "rot_scale", "k_scale", "v_scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"

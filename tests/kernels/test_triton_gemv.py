@@ -181,3 +181,55 @@ def test_triton_gemv_path_only_for_dense_llama_layers():
         assert not model.model.takes_gemv(0), name  # an idle rank's empty step
         enable_fused_ops(model, enabled=False)
         assert not model.model.takes_gemv(1), name
+
+
+@pytest.mark.parametrize(
+    "dtype, kv, m, tile, scaling",
+    [
+        (torch.bfloat16, "model", 1, None, 1.0),
+        (torch.bfloat16, "fp8", 2, None, 1.0),
+        (torch.float32, "model", 2, "narrow", 1.2),  # YaRN-style attention scaling
+        (torch.bfloat16, "model", 5, "dot", 1.0),  # a verify step through the dot tile
+    ],
+)
+def test_triton_gemv_rope_store_matches_prologue_kernel(dtype, kv, m, tile, scaling):
+    """The q/k/v GEMV finishing the prologue (`RopeStore`): its output (q, k rotated; v as is)
+    and the cache slots it writes are bit-identical to the plain GEMV followed by
+    `qk_rope_store` (the launch it replaces), for bf16 and fp8 caches, 1 to 5 rows, a padded
+    row (slot -1) that stores nothing, and no other cache slot touched."""
+    from swaserve.attention.kernels.rope_store import QKPrologue, qk_rope_store
+    from swaserve.models.blocks import Rotary
+    from swaserve.ops.gemv import RopeStore
+
+    hq, hk, d, k, ps = 4, 2, 16, 48, 4
+    n = (hq + 2 * hk) * d
+    cfg = SMALL[tile] if tile else default_config(m, n, k, norm=True)
+    x = _randn(m, k, dtype=dtype, seed=21)
+    w = _randn(n, k, dtype=dtype, seed=22) * 0.3
+    nm = RMSNorm(k, 1e-6).to(DEVICE)
+    nm.weight.data = (1 + _randn(k, dtype=torch.float32, seed=23) * 0.1).to(dtype)
+    rotary = Rotary(1.0 / 1000 ** (torch.arange(0, d, 2).float() / d), scaling)
+    rotary.restore_buffers(DEVICE)
+    positions = torch.tensor([7, 300, 5, 6, 9][:m], device=DEVICE)
+    slots = torch.tensor([3, -1, 10, 11, 17][:m], device=DEVICE)  # row 1: padding
+    cache_dtype = torch.float8_e4m3fn if kv == "fp8" else dtype
+    scales = (0.05, 0.07) if kv == "fp8" else (1.0, 1.0)
+
+    def caches():
+        k_c = torch.full((6, ps, hk, d), 0.5, device=DEVICE).to(cache_dtype)
+        return k_c, torch.full((6, ps, hk, d), -0.25, device=DEVICE).to(cache_dtype)
+
+    kc1, vc1 = caches()
+    y1 = gemv(x, w, norm=nm, config=cfg)
+    q, kk, v = y1.split([hq * d, hk * d, hk * d], dim=-1)
+    qk_rope_store(positions, q.view(m, hq, d), kk.view(m, hk, d), v.view(m, hk, d),
+                  QKPrologue(rotary), kc1, vc1, slots, *scales)  # fmt: skip
+    kc2, vc2 = caches()
+    store = RopeStore(positions, rotary.inv_freq, scaling, slots, kc2, vc2, *scales, hq * d,
+                      hk * d, d)  # fmt: skip
+    y2 = gemv(x, w, norm=nm, config=cfg, rope_store=store)
+    assert torch.equal(y2, y1)
+    assert torch.equal(kc2.view(torch.uint8), kc1.view(torch.uint8))
+    assert torch.equal(vc2.view(torch.uint8), vc1.view(torch.uint8))
+    fresh_k, _ = caches()
+    assert not torch.equal(kc2.view(torch.uint8), fresh_k.view(torch.uint8))  # it stored

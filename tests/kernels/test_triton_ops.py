@@ -404,15 +404,20 @@ def test_triton_gemv_path_past_two_rows(tmp_path, monkeypatch):
     import swaserve.ops.gemv as gemv_module
 
     rows_seen: list[int] = []
+    rope_stores: list[bool] = []
     plain = gemv_module.gemv
 
     def counting(x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         rows_seen.append(x.shape[0])
+        rope_stores.append(kwargs.get("rope_store") is not None)
         return plain(x, *args, **kwargs)
 
     monkeypatch.setattr(gemv_module, "gemv", counting)
     got = run()
     assert max(rows_seen) > 2  # steps past MAX_ROWS went through the GEMV
+    # the q/k/v GEMVs of one- and two-row steps rotated q/k and stored K/V themselves
+    # (gemv.RopeStore: head_dim 24 splits into rotary half-tiles of 4, not of the dot tile's 8)
+    assert any(rope_stores)
     for a, b in zip(got, want, strict=True):
         assert [t for t, _ in a] == [t for t, _ in b]
         assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) < 1e-4
