@@ -29,7 +29,8 @@ and with full-width neox rotary: Llama, Mistral): its programs then own half-til
 partners (columns c .. c + P - 1 and c + D/2 .. c + D/2 + P - 1 of one head, P = BLOCK_N / 2;
 the weight rows are gathered, so any column set reads as fast), rotate q and k in the
 epilogue and write k and v to the token's cache slot: one launch a layer instead of two
-(`qk_rope_store`). Numerics are those of `qk_rope_store` on this GEMV's rounded output."""
+(`qk_rope_store`). Numerics are those of `qk_rope_store` on this GEMV's rounded output. H200,
+batch-1 Llama-8B decode: 4.300 -> 4.246 ms/token (benchmarks/RESULTS.md, stop 23)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ Each case is (name, q dtype, kv dtype, head_dim, group, max_query_len, window, s
 num_splits, fresh_new[, pdl[, merge_last]]); the constexprs come from `kernel_constexprs`, as in
 a launch, with pointers and strides marked 16-divisible as Triton specialises them at launch. A
 case with `pdl` (swaserve/ops/pdl.py) must also show the PDL instructions in its PTX. Split cases
-merge in the kernel as launched (`merge_last`, default on with splits): their PTX must hold the
-barrier and the gpu-scope acq_rel atomic the merge's ordering rests on.
+merge in the kernel (`merge_last`, SWASERVE_ATTN_MERGE=1; default on here, with splits, so that
+the opt-in variant stays compiled): their PTX must hold the barrier and the gpu-scope acq_rel
+atomic the merge's ordering rests on.
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ CASES = [
     # batch-1 decode with programmatic dependent launch (a decode graph's launch)
     ("decode bf16 D128 G4 64 splits pdl", torch.bfloat16, torch.bfloat16, 128, 4, 1, 0, 0.0,
      False, 64, False, True),
-    # the separate merge (`_reduce_splits`), as SWASERVE_ATTN_MERGE=0 or a capture without the
-    # counters launch it
+    # the separate merge (`_reduce_splits`), the default
     ("decode bf16 D128 G4 64 splits pdl separate merge", torch.bfloat16, torch.bfloat16, 128, 4,
      1, 0, 0.0, False, 64, False, True, False),
     ("decode bf16 D256 G2 window sinks 8 splits", torch.bfloat16, torch.bfloat16, 256, 2, 1,

@@ -322,19 +322,20 @@ def test_triton_split_kv_matches_unsplit(num_splits, window, use_sinks):
 
 @pytest.mark.parametrize("use_sinks,window", [(False, 0), (True, 0), (False, 200)])
 def test_triton_split_merge_in_kernel(use_sinks, window, monkeypatch):
-    """The last split of each (query block, KV head) merges the partials in the attention
-    kernel: no `_reduce_splits` launch, the counters are back at zero afterwards (the next
-    launch, a CUDA graph replay, relies on it), and the output equals the separate merge's
-    (SWASERVE_ATTN_MERGE=0) and the reference, empty splits included."""
+    """SWASERVE_ATTN_MERGE=1: the last split of each (query block, KV head) merges the
+    partials in the attention kernel: no `_reduce_splits` launch, the counters are back at zero
+    afterwards (the next launch, a CUDA graph replay, relies on it), and the output equals the
+    separate merge's (the default) and the reference, empty splits included."""
     case = make_case([1, 1, 1, 2], [700, 3, 300, 520], group=4, window=window, seed=71)
     sinks = torch.randn(case.q.shape[1], device=DEVICE) if use_sinks else None
     kernels = []
     real = pa._run
     monkeypatch.setattr(pa, "_run", lambda k, *a, **kw: (kernels.append(k), real(k, *a, **kw)))
+    monkeypatch.setenv("SWASERVE_ATTN_MERGE", "1")
     fused = case.run(scale=0.2, sinks=sinks, num_splits=16)
     assert pa._reduce_splits not in kernels and pa._paged_attn_kernel in kernels
     assert not pa.merge_counters(DEVICE, 1).any()
-    monkeypatch.setenv("SWASERVE_ATTN_MERGE", "0")
+    monkeypatch.delenv("SWASERVE_ATTN_MERGE")
     kernels.clear()
     separate = case.run(scale=0.2, sinks=sinks, num_splits=16)
     assert pa._reduce_splits in kernels

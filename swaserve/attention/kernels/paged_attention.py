@@ -31,10 +31,11 @@ whose first tiles are fully masked keeps alpha = 1, p = 0 and never produces NaN
 extra logit per head with no value) seed the softmax: m = sink, l = 1.
 
 Split-KV (flash-decoding): with SPLIT_KV each program takes a contiguous share of its block's
-key tiles and writes an unnormalised partial (acc, m, l) per row. The last program of a block to
-finish merges them (and adds the sink term once) in the same launch (`MERGE_LAST`: an arrival
-counter per (query block, KV head), `merge_counters`); `_reduce_splits`, a launch of its own,
-does it where the counters are not available. The split count, chosen by `choose_num_splits`, is the grid's
+key tiles and writes an unnormalised partial (acc, m, l) per row; `_reduce_splits` merges them
+(and adds the sink term once). Opt-in (`merge_counters`, SWASERVE_ATTN_MERGE=1): the last
+program of a block to finish merges them in the same launch (`MERGE_LAST`: an arrival counter
+per (query block, KV head)), which saves a launch at short contexts and loses at long ones.
+The split count, chosen by `choose_num_splits`, is the grid's
 third dimension and a runtime value in both kernels, so every count shares one compiled variant.
 Splits past a block's last key tile return at once, and split 0 writes how many hold keys, so
 the merge reads only those (a CUDA graph's count is sized for its longest context).
@@ -221,14 +222,21 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """The zeroed int32 arrival counters of the in-kernel split merge on `device`, or None for
-    the separate `_reduce_splits` launch: when a launch needs more than MERGE_COUNTERS, when
-    SWASERVE_ATTN_MERGE=0 (A/B runs), or when the buffer does not exist yet and a CUDA graph is
-    being captured (a buffer allocated there would belong to the graph's pool).
+    the separate `_reduce_splits` launch: unless SWASERVE_ATTN_MERGE=1, when a launch needs
+    more than MERGE_COUNTERS, or when the buffer does not exist yet and a CUDA graph is being
+    captured (a buffer allocated there would belong to the graph's pool).
+
+    Opt-in, since it loses where splits are many (H200, benchmarks/RESULTS.md stop 23; bf16,
+    32/8 heads, D 128, 64 splits, one CUDA graph per kernel pair): 6.47 -> 6.16 us at batch 1
+    and 130 keys, but 17.0 -> 30.8 us at 4,096 keys and 71.8 -> 102.5 at batch 8: one program
+    walks up to 64 partials in a dependent loop (an L2 round trip each) where the separate
+    merge spreads them over (token, head) programs, 16 at a time. Batch-1 Llama-8B decode
+    (128-token prompt): 4.300 -> 4.282 ms/token.
 
     Invariant: every launch leaves each counter it used at zero (the last split re-arms it), so
     the buffer is shared by all launches on the device; they must run one after another, as a
     step's launches on one stream do (graphs replay on that stream too)."""
-    if needed > MERGE_COUNTERS or os.environ.get("SWASERVE_ATTN_MERGE") == "0":
+    if needed > MERGE_COUNTERS or os.environ.get("SWASERVE_ATTN_MERGE") != "1":
         return None
     buf = _counters.get(device)
     if buf is None:
