@@ -421,3 +421,50 @@ def test_triton_gemv_path_past_two_rows(tmp_path, monkeypatch):
     for a, b in zip(got, want, strict=True):
         assert [t for t, _ in a] == [t for t, _ in b]
         assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) < 1e-4
+
+
+@pytest.mark.skipif(_CUDA, reason="CPU engine test")
+def test_triton_gemv_rope_store_engine_fp8_kv(tmp_path, monkeypatch):
+    """Two-row decode steps with an fp8 KV cache: the q/k/v GEMV that rotates and stores K/V
+    itself (gemv.RopeStore) gives exactly the tokens and logprobs of the GEMV followed by
+    `qk_rope_store` (SWASERVE_GEMV_ROPE=0), and it did run. (One row and the cache bytes:
+    test_triton_gemv_rope_store_matches_prologue_kernel.)"""
+    from swaserve import Engine, SamplingParams
+    from swaserve.ops import enable_fused_ops
+    from tests.helpers import save_random_hf_model
+
+    cfg, _ = _tiny_configs()["llama"]
+    save_random_hf_model(cfg, tmp_path)
+    engine = Engine(
+        model=str(tmp_path), device="cpu", dtype="float32", page_size=4, kv_cache_gb=0.01,
+        attention_backend="triton", kv_cache_dtype="fp8_e4m3", disable_fused_ops=True,
+        disable_prefix_cache=True,  # a prefix hit would prefill through another path (fp8)
+    )  # fmt: skip
+    enable_fused_ops(engine.core.model)
+    assert engine.core.model.model.takes_gemv(2)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (7 + i,), generator=gen).tolist() for i in range(2)]
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
+    import swaserve.ops.gemv as gemv_module
+
+    stores: list[bool] = []
+    plain = gemv_module.gemv
+
+    def spy(x, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        stores.append(kwargs.get("rope_store") is not None)
+        return plain(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_module, "gemv", spy)
+
+    def run() -> list[list[tuple[int, float]]]:
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=greedy)  # 2-row steps
+        engine.core.memory.check_integrity()
+        return [[(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs] for o in outs]
+
+    fused = run()
+    assert any(stores)
+    stores.clear()
+    monkeypatch.setenv("SWASERVE_GEMV_ROPE", "0")
+    separate = run()
+    assert stores and not any(stores)
+    assert fused == separate
