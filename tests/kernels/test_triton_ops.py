@@ -423,6 +423,7 @@ def test_triton_gemv_path_past_two_rows(tmp_path, monkeypatch):
         assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) < 1e-4
 
 
+@pytest.mark.slow  # ~60 s of interpreted fp8 attention; the fast suite is near its 15 min
 @pytest.mark.skipif(_CUDA, reason="CPU engine test")
 def test_triton_gemv_rope_store_engine_fp8_kv(tmp_path, monkeypatch):
     """Two-row decode steps with an fp8 KV cache: the q/k/v GEMV that rotates and stores K/V
