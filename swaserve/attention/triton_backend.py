@@ -126,15 +126,13 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta: TritonMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
-        k_cache, v_cache = fb.kv.layer_cache(spec.layer_id)
-        k_scale, v_scale = _kv_scales(fb.kv, spec.layer_id)
-        if kv_stored:  # q and k rotated, k and v in the cache (the q/k/v GEMV's epilogue)
-            pass
-        elif prologue is not None:
-            qk_rope_store(fb.positions, q, k, v, prologue, k_cache, v_cache, gm.slot_mapping,
-                          k_scale, v_scale)
-        else:
-            store_kv(k, v, k_cache, v_cache, gm.slot_mapping, k_scale, v_scale)
+        k_cache, v_cache, slots, k_scale, v_scale = self.kv_destination(spec.layer_id, fb)
+        # kv_stored: q and k rotated, k and v in the cache already (the q/k/v GEMV's epilogue)
+        if not kv_stored and prologue is not None:
+            qk_rope_store(fb.positions, q, k, v, prologue, k_cache, v_cache, slots, k_scale,
+                          v_scale)  # fmt: skip
+        elif not kv_stored:
+            store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
         # Steps with chunks (prefill, mixed, verify) may read the chunks' own keys from k/v,
         # the step's contiguous rows, instead of through the block table: an fp8 cache does
         # (full precision), another where that is faster (paged_attention); decode-only steps
