@@ -1,5 +1,6 @@
 """GPU only (skipped elsewhere): batch-1 and batch-2 decode through the decode GEMV path
-(swaserve/ops/gemv.py, Llama-family steps of <= 2 tokens, graphed and eager) against
+(swaserve/ops/gemv.py, Llama-family steps of <= 2 tokens, graphed and eager), and batch 8
+with SWASERVE_GEMV_ROWS=8 (the tensor-core tile), against
 transformers' greedy generation in float32, and against the same engine with the path off
 (SWASERVE_GEMV_ROWS=0): same tokens, logprobs within 1e-4."""
 
@@ -43,11 +44,12 @@ def _run(folder, prompts: list[list[int]], rows: str, monkeypatch, graphs: int) 
 
 
 @pytest.mark.parametrize("graphs", [8, 0])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_gemv_decode_equals_path_off_and_transformers(tiny, monkeypatch, graphs, batch):
+# batch 8 with SWASERVE_GEMV_ROWS=8: the tensor-core tile past two rows (gemv.DOT_TILE)
+@pytest.mark.parametrize(("batch", "rows"), [(1, "2"), (2, "2"), (8, "8")])
+def test_gemv_decode_equals_path_off_and_transformers(tiny, monkeypatch, graphs, batch, rows):
     folder, ref = tiny
-    prompts = [list(range(3, 3 + n)) for n in (9, 23)[:batch]]
-    on = _run(folder, prompts, "2", monkeypatch, graphs)
+    prompts = [list(range(3, 3 + n)) for n in (9, 23, 5, 14, 31, 7, 18, 12)[:batch]]
+    on = _run(folder, prompts, rows, monkeypatch, graphs)
     off = _run(folder, prompts, "0", monkeypatch, graphs)
     for a, b in zip(on, off, strict=True):
         assert [t for t, _ in a] == [t for t, _ in b]
