@@ -137,7 +137,7 @@ def _conversations(engine: Engine, starts: list[list[int]], turns: list[list[lis
 def test_host_tier_gives_more_hits_under_device_pressure(gemma_off, tmp_path):
     rng = random.Random(3)
     starts = [[2] + _rand(rng, 519) for _ in range(3)]
-    turns = [[_rand(rng, 60) for _ in range(3)] for _ in range(3)]
+    turns = [[_rand(rng, 60) for _ in range(3)] for _ in range(2)]
     # ~450 device pages: one conversation's cached prefix is ~215 pages, three do not fit.
     small = dict(model="gemma-3-270m", device="cpu", kv_cache_gb=0.04, max_num_seqs=2)
     device_only = Engine(**small)
