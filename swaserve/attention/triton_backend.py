@@ -29,6 +29,10 @@ class TritonGroupMetadata:
     # past the end of the table. The kernel reads only entries of keys its queries can see.
     block_table: torch.Tensor
     slot_mapping: torch.Tensor  # [T] int64 flat slots (page * page_size + offset), new tokens
+    # Fixed split-KV count of this group's layers (CUDA graphs: the launch must not depend on
+    # the step's lengths; a window bounds the keys, so it splits less); None lets
+    # `paged_attention` choose from max_seq_len.
+    num_splits: int | None = None
 
 
 @dataclass
@@ -41,9 +45,6 @@ class TritonMetadata:
     max_query_len: int  # host copies: tile sizes and split-KV choice need no device sync
     max_seq_len: int
     decode_only: bool  # every request has exactly one new token
-    # Fixed split-KV count (CUDA graphs: the launch must not depend on the step's lengths);
-    # None lets `paged_attention` choose from max_seq_len.
-    num_splits: int | None = None
     # the shortest query run (host): a batch of decodes beside a prefill chunk takes one
     # attention launch per kind (paged_attention); None: one launch for all
     min_query_len: int | None = None
@@ -153,7 +154,7 @@ class TritonBackend(AttentionBackend):
             sinks=sinks,
             k_scale=k_scale,
             v_scale=v_scale,
-            num_splits=meta.num_splits,
+            num_splits=gm.num_splits,
             k_new=k if fresh else None,
             v_new=v if fresh else None,
             out=out,

@@ -97,14 +97,15 @@ class DecodeGraphs:
             torch.full((rows,), -1, dtype=torch.int64, device=dev) for _ in range(ngroups)
         ]
         h, hkv, d = spec_shape
-        self.splits = {}
-        windows = [g.window for g in backend.layout.groups]
+        # per bucket, per group: a window bounds the keys its layers read, so they split less
+        self.splits: dict[int, list[int]] = {}
+        cfg = attention_config(d, h // hkv, q)
+        longest = [max_model_len if g.window is None else min(g.window, max_model_len)
+                   for g in backend.layout.groups]  # fmt: skip
         for bs in self.buckets:
-            cfg = attention_config(d, h // hkv, q)
-            longest = max(
-                max_model_len if w is None else min(w, max_model_len) for w in windows
-            )
-            self.splits[bs] = choose_num_splits(bs, hkv, q, longest, cfg.block_q, _num_sms(dev))
+            self.splits[bs] = [
+                choose_num_splits(bs, hkv, q, n, cfg.block_q, _num_sms(dev)) for n in longest
+            ]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.keep_layers = keep_layers
@@ -120,13 +121,13 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:bs],
             context_lens=self.seq_lens[:bs],  # unused by the kernels
             groups=[
-                TritonGroupMetadata(tb[:bs], s[:t]) for tb, s in zip(self.tables, self.slots)
+                TritonGroupMetadata(tb[:bs], s[:t], n)
+                for tb, s, n in zip(self.tables, self.slots, self.splits[bs], strict=True)
             ],
             num_tokens=t,
             max_query_len=self.q,
             max_seq_len=self.max_pages * self.page_size,
             decode_only=self.q == 1,
-            num_splits=self.splits[bs],
         )
         return ForwardBatch(
             self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv,

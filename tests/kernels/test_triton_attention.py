@@ -394,6 +394,14 @@ def test_triton_split_kv_heuristic():
     assert choose_num_splits(4, 8, 1, 1500, block_q=4, num_sms=132) == 4
     # prefill blocks are never split
     assert choose_num_splits(1, 2, 64, 32768, block_q=16, num_sms=132) == 1
+    # two or more programs per SM: split only to even out the last round of programs, into
+    # splits of >= 1,024 keys (H200, benchmarks/decode_splits.py): Gemma-3-27B at batch 17
+    # (272 programs, 0.69 of the slots busy) goes to 4 over 9k keys, not at all over its
+    # 1,024-key window; Llama-8B at batch 64 (512 programs, 0.97) does not split
+    assert choose_num_splits(17, 16, 1, 9216, block_q=1, num_sms=132) == 4
+    assert choose_num_splits(17, 16, 1, 1024, block_q=1, num_sms=132) == 1
+    assert choose_num_splits(64, 8, 1, 4096, block_q=1, num_sms=132) == 1
+    assert choose_num_splits(48, 16, 1, 1024, block_q=1, num_sms=132) == 1
 
 
 def test_triton_attention_config():

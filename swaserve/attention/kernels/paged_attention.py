@@ -84,6 +84,7 @@ MAX_SPLIT_BYTES = 64 << 20  # split-KV partials of one launch, at most
 ANY_Q_LEN = 2**31 - 1  # a launch's upper bound on q_len when it takes every request
 REDUCE_BLOCK_S = 16  # partials the split merge reads per iteration
 MIN_KEYS_PER_SPLIT = 256  # a split below this spends more on the merge than it saves
+BALANCE_SPLIT_KEYS = 1024  # a split made only to even out the SMs' loads keeps at least this
 CPU_NUM_SMS = 132  # H200: on CPU (interpreter) the heuristics behave as on the target GPU
 
 
@@ -189,6 +190,12 @@ def _num_sms(device: torch.device) -> int:
     return CPU_NUM_SMS
 
 
+def _balance(programs: int, num_sms: int) -> float:
+    """The share of busy SM slots over the rounds `programs` equal programs take: 272 programs
+    on 132 SMs leave 8 SMs with a third, and the other 124 idle through it (0.69)."""
+    return programs / (num_sms * triton.cdiv(programs, num_sms))
+
+
 def choose_num_splits(
     num_seqs: int,
     num_kv_heads: int,
@@ -199,21 +206,37 @@ def choose_num_splits(
 ) -> int:
     """Key splits per (query block, KV head): a power of two in [1, MAX_SPLITS].
 
-    Split only when every request is one query block (decode, short spec-decode runs) and the
-    unsplit grid fills less than four waves of SMs: aim at ~4 programs per SM (rounded up to a
-    power of two), while each split keeps at least MIN_KEYS_PER_SPLIT keys. `max_kv_len` is the
-    most keys one query block can see (the window bounds it on SWA layers). On H200, decode of
-    one 32k-key request on 8 KV heads read K/V at 0.13 TB/s unsplit, 2.4 at 32 splits and 2.6-3.2
-    at 64."""
+    Split only when every request is one query block (decode, short spec-decode runs), and
+    only into splits of at least MIN_KEYS_PER_SPLIT keys. `max_kv_len` is the most keys one
+    query block can see (the window bounds it on SWA layers). Two regimes:
+    - fewer programs than two per SM: aim at ~4 programs per SM (rounded up to a power of
+      two). On H200, decode of one 32k-key request on 8 KV heads read K/V at 0.13 TB/s
+      unsplit, 2.4 at 32 splits and 2.6-3.2 at 64.
+    - more: the SMs are busy, and a split costs its partials and the merge launch. Split only
+      while the last round of programs leaves more than a tenth of the SM slots idle
+      (`_balance`) and each split keeps BALANCE_SPLIT_KEYS keys. H200, bf16, D 128, one CUDA
+      graph per launch (benchmarks/decode_splits.py, RESULTS.md stop 24): Gemma-3-27B's 16 KV
+      heads at batch 17 over 8.5k keys took 337 us at 2 splits (the old rule: 4 programs per
+      SM) and 288 at 4; its 1,024-key window 55 at 2 and 48 unsplit; Llama-8B at batch 64
+      over 4k keys 277 at 2 and 249 unsplit."""
     if max_query_len > block_q:
         return 1
     programs = num_seqs * num_kv_heads
-    want = triton.cdiv(4 * num_sms, max(1, programs))
     by_keys = max_kv_len // MIN_KEYS_PER_SPLIT
-    if want < 2 or by_keys < 2:
+    if by_keys < 2:
         return 1
     cap = min(MAX_SPLITS, 1 << (by_keys.bit_length() - 1))  # power of two <= by_keys
-    return min(cap, triton.next_power_of_2(want))
+    if programs < 2 * num_sms:
+        want = triton.cdiv(4 * num_sms, max(1, programs))
+        return 1 if want < 2 else min(cap, triton.next_power_of_2(want))
+    splits = 1
+    while (
+        splits < cap
+        and max_kv_len // (2 * splits) >= BALANCE_SPLIT_KEYS
+        and _balance(programs * splits, num_sms) < 0.9
+    ):
+        splits *= 2
+    return splits
 
 
 MERGE_COUNTERS = 1 << 16  # (query block, KV head) pairs one launch may merge in-kernel
