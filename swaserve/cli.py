@@ -142,6 +142,11 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and the engine core (default: %(default)s)")
+    g.add_argument(
+        "--startup-timeout", type=float, default=900.0, metavar="S",
+        help="seconds to wait for the engine cores to load and, over nodes, for the other "
+        "nodes to join, before giving up (default: %(default)s)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -151,12 +156,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-n must be >= 1")
     if args.stream_interval < 1:
         raise ValueError("--stream-interval must be >= 1")
+    if not args.startup_timeout > 0:
+        raise ValueError("--startup-timeout must be > 0")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
     server_args = ServerArgs(
         host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
         log_level=args.log_level, served_model_name=args.served_model_name,
         playground=not args.disable_playground, stream_interval=args.stream_interval,
+        startup_timeout=args.startup_timeout,
     )
     config = EngineConfig(**engine_kwargs(args))
     if config.disaggregation_mode:  # a missing transfer library fails now, not after loading

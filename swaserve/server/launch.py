@@ -21,7 +21,9 @@ others' pipes are TCP sockets bound here and handed to their nodes through the s
 process hosts (server/nodes.py); such a core whose link is lost is dead (server/link_watch.py).
 Until the cores are ready this process also watches each other node's control pipe (NodeWatch),
 so a node that dies, or fails to start, before its cores connect ends the start within seconds
-with an error naming the node, its ranks and the reason, not at READY_TIMEOUT_S.
+with an error naming the node, its ranks and the reason, not at the start-up timeout
+(--startup-timeout, which a node that never joins is left to; meanwhile the log names it every
+WAITING_LOG_S).
 
 Watchdog: when the core process exits or reports a fatal error (or, on another node, its link is
 lost), every live request ends with an error, new requests get 503, the reason is logged, and
@@ -56,7 +58,8 @@ WATCHDOG_PERIOD_S = 0.2
 GRACE_S = 1.0  # new requests get 503 this long before the server stops listening
 EXIT_DEADLINE_S = 8.0  # after the core is found dead, the process is gone by then
 LAST_WORDS_S = 0.2  # a core found gone: its last words may still be on the way
-READY_TIMEOUT_S = 900.0
+READY_TIMEOUT_S = 900.0  # --startup-timeout's default: loading a large model takes minutes
+WAITING_LOG_S = 30.0  # while cores or nodes are still to come, say which this often
 
 
 @dataclasses.dataclass
@@ -69,6 +72,7 @@ class ServerArgs:
     served_model_name: str | None = None  # None: the --model value
     playground: bool = True  # the page at / (--disable-playground turns it off)
     stream_interval: int = 1  # streamed deltas of at least this many tokens (OutputProcessor)
+    startup_timeout: float = READY_TIMEOUT_S  # seconds until every engine core is ready
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -273,7 +277,7 @@ async def _main(
             where = "" if dp == 1 else f" (dp rank {rank}, {rconf.device}" + (
                 f", {tp} tensor-parallel ranks)" if tp > 1 else ")")
             log.info("engine core process %d is loading %s%s", proc.pid, config.model, where)
-        if not await _wait_ready(procs, clients, nodes):
+        if not await _wait_ready(procs, clients, nodes, args.startup_timeout):
             return 1
         ready.append(True)
         info = client.info or {}
@@ -375,14 +379,21 @@ def _server_class() -> type:
 
 
 async def _wait_ready(
-    procs: list[subprocess.Popen], clients: list[Any], nodes: Sequence[Any] = ()
+    procs: list[subprocess.Popen],
+    clients: list[Any],
+    nodes: Sequence[Any] = (),
+    timeout: float = READY_TIMEOUT_S,
+    every: float = WAITING_LOG_S,
 ) -> bool:
     """Until every core said `ready`; False (logged) when one failed first, when another node
     failed to bring its cores up (`nodes`: node 0's NodeWatch of each, server/nodes.py), or after
-    READY_TIMEOUT_S. `procs[i]` runs `clients[i]`'s core; cores past them run on other nodes
+    `timeout` seconds. Every `every` seconds it logs what it still waits for: a node that never
+    joins (not started, or unable to reach HOST:PORT) looks like one not started yet, so the log
+    is how a user tells. `procs[i]` runs `clients[i]`'s core; cores past them run on other nodes
     (their failures arrive as last words, as a lost link once they connected, or from their
     node before that)."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    start = time.monotonic()
+    next_log = start + every
     while True:
         failure = await _startup_failure(procs, clients, nodes)
         if failure is not None:
@@ -390,13 +401,19 @@ async def _wait_ready(
             return False
         if all(c.ready.is_set() for c in clients):
             return True
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > start + timeout or now >= next_log:
             waiting = [str(i) for i, c in enumerate(clients) if not c.ready.is_set()]
             absent = [n.name for n in nodes if not n.joined]
-            log.error("engine core not ready after %.0f s%s%s", READY_TIMEOUT_S,
-                      f" (dp ranks {', '.join(waiting)})" if len(clients) > 1 else "",
-                      f"; never joined: {', '.join(absent)}" if absent else "")  # fmt: skip
-            return False
+            what = ((f" (dp ranks {', '.join(waiting)})" if len(clients) > 1 else "")
+                    + (f"; never joined: {', '.join(absent)}" if absent else ""))  # fmt: skip
+            if now > start + timeout:
+                log.error("engine core not ready after %.0f s (--startup-timeout)%s", timeout,
+                          what)  # fmt: skip
+                return False
+            log.info("waiting for the engine core%s: %.0f s of %.0f s", what, now - start,
+                     timeout)  # fmt: skip
+            next_log = now + every
         await asyncio.sleep(0.1)
 
 

@@ -18,7 +18,8 @@ and connects (`NodeLink`), watched like the cores' pipes. Until every core is re
 each node's `NodeWatch` too, so a node that dies, or whose core dies, before that core connects
 fails the start within seconds, not at the ready timeout; a node that fails at start (its model
 missing there, a core that exits) says why (`failed`) before it exits. A node that never joins
-is only caught by the ready timeout (node 0 cannot tell it from one not started yet).
+is only caught by the start-up timeout (--startup-timeout; node 0 cannot tell it from one not
+started yet, and logs the nodes it still waits for every 30 s).
 
 Liveness: every TCP pipe is watched from both ends (link_watch.py: the connection's close, or
 heartbeats unanswered for seconds). A remote core whose link is lost (its process, or its whole

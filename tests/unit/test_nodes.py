@@ -155,3 +155,39 @@ def _until(what, seconds: float = 5.0):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     return found
+
+
+def test_node_that_never_joins_is_named_while_waiting_and_at_the_timeout(caplog):
+    """Node 0's wait for a node that never starts (nobody connects to its control pipe or to
+    its cores' pipes): every `every` seconds the log names what it waits for, and at
+    --startup-timeout the start fails naming the node (the default is 900 s; a short one here)."""
+    import asyncio
+    import logging
+
+    from swaserve.server.launch import _wait_ready
+
+    cfg = _ep(nnodes=2, dist_init_addr="localhost:29500")
+    clients = [CoreClient(None, *remote_pipes(cfg), max_queue=4) for _ in range(2)]
+    (watch,) = watch_nodes(cfg, dist.HashStore())
+    caplog.set_level(logging.INFO, logger="swaserve.server")
+    t = time.monotonic()
+    try:
+        ok = asyncio.run(_wait_ready([], clients, [watch], timeout=1.0, every=0.3))
+    finally:
+        watch.close()
+        for c in clients:
+            c.close()
+    assert not ok and 1.0 <= time.monotonic() - t < 5.0
+    waiting = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(waiting) >= 2
+    assert all("never joined: node 1 (dp ranks 2-3)" in m for m in waiting), waiting
+    (err,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "not ready after 1 s (--startup-timeout)" in err
+    assert "dp ranks 0, 1" in err and "never joined: node 1 (dp ranks 2-3)" in err
+
+
+def test_startup_timeout_flag_checked(capsys):
+    from swaserve.cli import main
+
+    assert main(["serve", "--model", "x", "--startup-timeout", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --startup-timeout must be > 0"
