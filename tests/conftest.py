@@ -5,6 +5,12 @@ from __future__ import annotations
 import pytest
 
 
+def pytest_configure(config):
+    from tests.interpreter_calls import install
+
+    install()  # cheaper nested jit calls under TRITON_INTERPRET=1 (see the module)
+
+
 @pytest.fixture(scope="session")
 def gemma_engine():
     from swaserve import Engine
