@@ -17,11 +17,13 @@ If Triton's internals differ from what this expects, nothing is installed."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 _running: list[frozenset[int]] = []  # per launch in progress: ids of the modules it patched
 
 
+@functools.cache  # asked on every helper call: a module's globals are walked once per function
 def _langs(fn: object) -> frozenset[int]:
     import triton.language as tl
 

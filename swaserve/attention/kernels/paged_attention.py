@@ -226,9 +226,8 @@ def choose_num_splits(
     if by_keys < 2:
         return 1
     cap = min(MAX_SPLITS, 1 << (by_keys.bit_length() - 1))  # power of two <= by_keys
-    if programs < 2 * num_sms:
-        want = triton.cdiv(4 * num_sms, max(1, programs))
-        return 1 if want < 2 else min(cap, triton.next_power_of_2(want))
+    if programs < 2 * num_sms:  # then 4 * num_sms / programs > 2: always a split
+        return min(cap, triton.next_power_of_2(triton.cdiv(4 * num_sms, max(1, programs))))
     splits = 1
     while (
         splits < cap
