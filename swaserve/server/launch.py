@@ -27,8 +27,9 @@ WAITING_LOG_S).
 
 Watchdog: when the core process exits or reports a fatal error (or, on another node, its link is
 lost), every live request ends with an error, new requests get 503, the reason is logged, and
-the server exits with status 1 within a few seconds (a hard `os._exit(1)` backs that up at
-EXIT_DEADLINE_S).
+the server exits with status 1 within a few seconds: the surviving cores get GONE_STOP_S to
+shut down, and the process ends without the interpreter's teardown (`_exit_now`); a hard
+`os._exit(1)` backs that up at EXIT_DEADLINE_S.
 """
 
 from __future__ import annotations
@@ -57,9 +58,21 @@ log = logging.getLogger("swaserve.server")
 WATCHDOG_PERIOD_S = 0.2
 GRACE_S = 1.0  # new requests get 503 this long before the server stops listening
 EXIT_DEADLINE_S = 8.0  # after the core is found dead, the process is gone by then
+STOP_S = 5.0  # a ready core told to shut down exits by then, or is terminated
+GONE_STOP_S = 2.0  # the same once a core died: nothing the survivors hold is worth waiting for
 LAST_WORDS_S = 0.2  # a core found gone: its last words may still be on the way
 READY_TIMEOUT_S = 900.0  # --startup-timeout's default: loading a large model takes minutes
 WAITING_LOG_S = 30.0  # while cores or nodes are still to come, say which this often
+
+
+@dataclasses.dataclass
+class _Cores:
+    """What `serve`'s clean-up learns from `_main`: this node's core processes, whether they all
+    became ready, and whether one of them died while serving (the watchdog's verdict)."""
+
+    procs: list[subprocess.Popen] = dataclasses.field(default_factory=list)
+    ready: bool = False
+    gone: bool = False
 
 
 @dataclasses.dataclass
@@ -193,24 +206,38 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
         tokenizer = load_tokenizer(folder, config.tokenizer)
         chat_template = read_chat_template(config.chat_template)
         tmp = tempfile.mkdtemp(prefix="swaserve-ipc-")
-        procs: list[subprocess.Popen] = []
-        ready: list[bool] = []
+        cores = _Cores()
         try:
-            return asyncio.run(
-                _main(config, args, sock, folder, tokenizer, chat_template, tmp, procs, ready)
+            code = asyncio.run(
+                _main(config, args, sock, folder, tokenizer, chat_template, tmp, cores)
             )
         finally:
-            for proc in procs:
-                _stop(proc, graceful=bool(ready))
+            wait = (GONE_STOP_S if cores.gone else STOP_S) if cores.ready else 0.01
+            for proc in cores.procs:
+                _stop(proc, wait)
             shutil.rmtree(tmp, ignore_errors=True)
     finally:
         sock.close()
+    if cores.gone:
+        _exit_now(code)
+    return code
 
 
-def _stop(proc: subprocess.Popen, graceful: bool) -> None:
-    """A ready core got `shutdown` from CoreClient.close; one still loading is terminated."""
+def _exit_now(code: int) -> None:
+    """Ends a server whose core died, skipping the interpreter's teardown: after torch it takes
+    ~1 s on an idle machine and 5 s or more on a loaded one, and the EXIT_DEADLINE_S timer, a
+    daemon thread, cannot run during it."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _stop(proc: subprocess.Popen, wait: float) -> None:
+    """A ready core got `shutdown` from CoreClient.close and has `wait` seconds to exit (a core
+    still loading gets next to none); then it is terminated."""
     try:
-        proc.wait(timeout=5 if graceful else 0.01)
+        proc.wait(timeout=wait)
     except subprocess.TimeoutExpired:
         proc.terminate()
         try:
@@ -228,8 +255,7 @@ async def _main(
     tokenizer: Any,
     chat_template: str | None,
     tmp: str,
-    procs: list,
-    ready: list,
+    cores: _Cores,
 ) -> int:
     import uvicorn
 
@@ -273,13 +299,13 @@ async def _main(
             # on CPU every rank process of this node shares its cores
             proc = start_core(rconf, folder, a_in, a_out, args.log_level,
                               cpu_share=len(here) * tp, expert_parallel=ep)
-            procs.append(proc)
+            cores.procs.append(proc)
             where = "" if dp == 1 else f" (dp rank {rank}, {rconf.device}" + (
                 f", {tp} tensor-parallel ranks)" if tp > 1 else ")")
             log.info("engine core process %d is loading %s%s", proc.pid, config.model, where)
-        if not await _wait_ready(procs, clients, nodes, args.startup_timeout):
+        if not await _wait_ready(cores.procs, clients, nodes, args.startup_timeout):
             return 1
-        ready.append(True)
+        cores.ready = True
         info = client.info or {}
         state = ServerState(
             client=client,
@@ -312,11 +338,11 @@ async def _main(
             state.model_name,
             args.host,
             args.port,
-            ", ".join(str(p.pid) for p in procs),
+            ", ".join(str(p.pid) for p in cores.procs),
             f"; playground: http://{args.host}:{args.port}/" if args.playground else "",
         )
         watchdog = asyncio.get_running_loop().create_task(
-            _watchdog(procs, clients, client, server)
+            _watchdog(cores, clients, client, server)
         )
         try:
             await server.serve(sockets=[sock])
@@ -483,16 +509,15 @@ async def _gone_settled(
     return _first_gone(procs, clients)
 
 
-async def _watchdog(
-    procs: list[subprocess.Popen], clients: list[Any], client: Any, server: Any
-) -> None:
-    """`clients[i]` talks to `procs[i]`; `client` is what the app uses (one of them, or the
-    DPClient over all): failing it ends every live request."""
+async def _watchdog(cores: _Cores, clients: list[Any], client: Any, server: Any) -> None:
+    """`clients[i]` talks to `cores.procs[i]`; `client` is what the app uses (one of them, or
+    the DPClient over all): failing it ends every live request."""
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
-        gone = await _gone_settled(procs, clients)
+        gone = await _gone_settled(cores.procs, clients)
         if gone is None:
             continue
+        cores.gone = True
         rank, reason = gone
         if len(clients) > 1:
             reason = f"dp rank {rank}: {reason}"
