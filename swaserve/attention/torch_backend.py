@@ -130,16 +130,18 @@ def _decode_batches(rows: list[int], lens: dict[int, int]) -> list[list[int]]:
     keys it holds: longest first, a row joins the batch while that holds. A 1,500-key decode
     beside six of 40 padded them all to 1,500 (25x the keys needed) in one batch; a batch of
     one is still batched (the caller's `attend_fast`)."""
-    order = sorted(rows, key=lambda r: -lens[r])
     batches: list[list[int]] = []
-    for r in order:
+    held = 0  # keys the last batch holds
+    for r in sorted(rows, key=lambda r: -lens[r]):
         if batches:
             b = batches[-1]
             width = lens[b[0]]  # the batch's longest: its first
-            if width * (len(b) + 1) <= PAD_RATIO * (sum(lens[x] for x in b) + lens[r]):
+            if width * (len(b) + 1) <= PAD_RATIO * (held + lens[r]):
                 b.append(r)
+                held += lens[r]
                 continue
         batches.append([r])
+        held = lens[r]
     return [sorted(b) for b in batches]  # in step order: one batch of every decode needs no pick
 
 
