@@ -16,9 +16,6 @@ import torch
 BIG_GPU_BYTES = 70 * 2**30  # vLLM's line for its larger defaults (H100/H200 class)
 GRAPH_MAX_BS = 128  # --cuda-graph-max-bs by default, and the cap of verify graphs
 GRAPH_MAX_BS_BIG = 512  # --cuda-graph-max-bs by default on a big GPU
-# --kv-bound-step-tokens by default on a big GPU: about the tokens at which a step's GEMMs stop
-# being bound by reading the weights (H200 bf16: 760 TFLOP/s over 4.2 TB/s, ~180).
-KV_BOUND_STEP_TOKENS_BIG = 160
 
 
 @dataclass
@@ -62,10 +59,6 @@ class EngineConfig:
     # Admission's reserve for running requests' decode growth (engine/scheduler.py): 0 admits
     # eagerly and preempts when short, 1 keeps their expected output's pages free.
     schedule_conservativeness: float = 1.0
-    # When the KV pool holds fewer requests than this and more are queued, a step with decodes
-    # carries at most this many tokens (engine/scheduler.py: prefill rides along with the
-    # memory-bound decode steps instead of running in waves). 0 disables; None: by device.
-    kv_bound_step_tokens: int | None = None
     max_logprobs: int = 20
     # Speculative decoding (docs/architecture.md §8): off unless an algorithm is named.
     speculative_algorithm: str | None = None  # ngram | dflash
@@ -132,8 +125,6 @@ class EngineConfig:
             raise bad("host_cache_gb", "must be >= 0")
         if not self.schedule_conservativeness >= 0:
             raise bad("schedule_conservativeness", "must be >= 0")
-        if self.kv_bound_step_tokens is not None and self.kv_bound_step_tokens < 0:
-            raise bad("kv_bound_step_tokens", "must be >= 0 (0: off)")
         if self.piecewise_cuda_graph_max_tokens is not None and (
             self.piecewise_cuda_graph_max_tokens < 0
         ):
@@ -316,8 +307,6 @@ class EngineConfig:
             max_num_seqs=seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or tokens,
             cuda_graph_max_bs=graphs if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs,
-            kv_bound_step_tokens=(KV_BOUND_STEP_TOKENS_BIG if big else 0)
-            if self.kv_bound_step_tokens is None else self.kv_bound_step_tokens,
         )
 
     def torch_device(self) -> torch.device:
@@ -422,13 +411,6 @@ FLAGS: dict[str, FlagInfo] = {
         "scheduling",
         "share of running requests' expected output kept free at admission: 0 admits eagerly "
         "and preempts (recompute) when short, 1 avoids most preemptions",
-    ),
-    "kv_bound_step_tokens": FlagInfo(
-        "scheduling",
-        "when the KV pool holds fewer requests than this and more wait, steps with decodes "
-        "carry at most this many tokens, so prefill overlaps the memory-bound decode steps "
-        "(0: off)",
-        default=f"{KV_BOUND_STEP_TOKENS_BIG} on a GPU of >= 70 GiB, else 0",
     ),
     "disable_overlap_schedule": FlagInfo(
         "scheduling", "read each step's tokens back before scheduling the next: no CPU/GPU overlap"

@@ -197,7 +197,7 @@ class EngineCore:
         self.cache = build_prefix_cache(config, self.memory, self.kv, tp)
         self.scheduler = Scheduler(
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache,
-            config.schedule_conservativeness, config.kv_bound_step_tokens,
+            config.schedule_conservativeness,
         )
         if self.parallel is None:
             self.runner = ModelRunner(self.model, self.kv, backend, self.device)

@@ -20,17 +20,6 @@ starts with the first of them (round robin over the decoding requests: none wait
 a few steps). The cap holds for the decodes of a mixed step too; prefill chunks (admissions
 included) are not capped, and a step with one takes the variable-size path.
 
-KV-bound steps (`kv_bound_step_tokens` R, on a big GPU by default): when the pool holds fewer
-requests than R (the head of the queue's footprint at its expected end, no sharing counted)
-and more than that are running or waiting, a step with decodes carries at most
-max(R - decode tokens, page_size) prefill tokens. Such a run's decode steps are bound by
-reading the weights, and up to about R tokens a step costs the same: prefill chunks ride along
-for nearly free. Without the cap, identical requests run in waves (a long prefill step for every
-admission at once, then decode-only steps until they all finish together); with it, each
-decode step admits a little, finishes stagger, and every later admission overlaps decodes
-(Sarathi-Serve's stall-free batching, applied only where memory caps the batch). A step with
-no decode, or a workload whose requests all fit, is not capped.
-
 A hit on pages offloaded to host or disk is admitted (pages allocated, loads queued) but held
 out of the forward while `cache.loads_pending` (on CUDA the loads land on a side stream while
 other requests compute): a held running request is skipped (no budget used; it keeps its
@@ -90,7 +79,6 @@ class Scheduler:
         max_num_batched_tokens: int,
         cache: RadixCache | None = None,
         conservativeness: float = 1.0,
-        kv_bound_step_tokens: int = 0,
     ) -> None:
         self.memory = memory
         self.cache = cache
@@ -100,8 +88,6 @@ class Scheduler:
         # eagerly, preempt when short), 1 the estimate above (--schedule-conservativeness).
         self.conservativeness = conservativeness
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.kv_bound_step_tokens = kv_bound_step_tokens  # R (module docstring); 0: off
-        self.num_kv_bound_steps = 0  # steps whose prefill the cap limited, for tests and logs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for metrics and tests
@@ -150,8 +136,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.budget
-        prefill = self._prefill_allowance()  # tokens the step's prefill chunks may take
-        capped = prefill < budget
         held = False  # a request waits for its prefix's loads
         decoding = self._decode_picks()
         for req in list(self.running):
@@ -165,11 +149,6 @@ class Scheduler:
             if decoding is not None and _decoding(req) and id(req) not in decoding:
                 continue  # past the decode cap: the next step
             n = min(req.num_tokens_with_drafts - req.num_computed_tokens, budget)
-            prefilling = not _decoding(req)
-            if prefilling:
-                n = min(n, prefill)
-                if n == 0:
-                    continue
             # A verify chunk [last, drafts] cut short verifies fewer drafts, which changes a
             # seeded request's draws: such a request waits for a step with room instead (its
             # draft count is capped below the token budget, so it never waits forever).
@@ -198,8 +177,6 @@ class Scheduler:
                     del req.draft_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens) :]
                 batch.add(req, n)
                 budget -= n
-                if prefilling:
-                    prefill -= n
         if batch:
             self.new_token_ratio = max(
                 MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
@@ -207,11 +184,11 @@ class Scheduler:
         if batch.preempted:
             return batch  # memory is tight: admit nobody new this step
         reserve = None  # O(running): worked out only when someone may be admitted
-        while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if reserve is None:
                 reserve = self._growth_reserve(batch)
             req = self.waiting[0]
-            n = self._admit(req, min(budget, prefill), reserve)
+            n = self._admit(req, budget, reserve)
             if n is None:
                 if not self.running:
                     # The pool is empty and still cannot take one chunk: it never will.
@@ -228,30 +205,9 @@ class Scheduler:
                 continue
             batch.add(req, n)
             budget -= n
-            prefill -= n
-        if capped and prefill == 0:
-            self.num_kv_bound_steps += 1
         if held and not batch:
             self.cache.wait_loads()  # nothing to overlap them with: no busy polling
         return batch
-
-    def _prefill_allowance(self) -> int:
-        """Tokens this step's prefill chunks may take: the step budget, or under KV-bound
-        steps (module docstring) R less the decode tokens, at least a page."""
-        limit = self.kv_bound_step_tokens
-        if not limit or not self.waiting:
-            return self.budget
-        head = self.waiting[0]
-        per_request = self.memory.footprint_pages(head.num_tokens + self.expected_new_tokens(head))
-        fit = self.memory.pool.capacity // max(1, per_request)
-        if fit >= limit or len(self.running) + len(self.waiting) <= fit:
-            return self.budget
-        decode_tokens = sum(
-            r.num_tokens_with_drafts - r.num_computed_tokens for r in self.running if _decoding(r)
-        )
-        if decode_tokens == 0:
-            return self.budget  # nothing to overlap with: prefill at full speed
-        return min(self.budget, max(limit - decode_tokens, self.memory.page_size))
 
     def _decode_picks(self) -> set[int] | None:
         """The decoding requests (ids of the objects) that may run this step under the decode

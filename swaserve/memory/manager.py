@@ -149,10 +149,11 @@ class MemoryManager:
         fits and out-of-window pages retire first). 0 when not one page per group fits;
         sys.maxsize when every group is SWA and all their footprints fit."""
         budget = self.pool.capacity - self.watermark_pages
-        caps = self._slot_caps()
+        caps = [None if g.window is None else _ceil_div(g.window - 1, self.page_size) + 1
+                for g in self.layout.groups]
 
         def pages(slots: int) -> int:
-            return self.footprint_pages(slots * self.page_size)
+            return sum(slots if c is None else min(slots, c) for c in caps)
 
         if None in caps:
             hi = max(0, budget)  # a full group needs one page per slot: slots <= budget
@@ -168,18 +169,6 @@ class MemoryManager:
             else:
                 hi = mid - 1
         return lo * self.page_size
-
-    def footprint_pages(self, num_tokens: int) -> int:
-        """Pages, summed over groups, that one request of `num_tokens` tokens holds once its
-        out-of-window SWA pages have retired (no sharing with other requests counted)."""
-        slots = _ceil_div(num_tokens, self.page_size)
-        return sum(slots if c is None else min(slots, c) for c in self._slot_caps())
-
-    def _slot_caps(self) -> list[int | None]:
-        """Per group, the most pages a request holds: None (full) or an SWA window's pages
-        (those of the w - 1 keys the next query reads plus the page it writes)."""
-        return [None if g.window is None else _ceil_div(g.window - 1, self.page_size) + 1
-                for g in self.layout.groups]
 
     def pages_needed(self, request: RequestLike, num_new_tokens: int) -> int:
         """New pages, summed over groups, to compute tokens [c, c + num_new_tokens).

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import check_integrity_every_step, save_random_hf_model, tiny_gemma3_config
+from tests.helpers import save_random_hf_model, tiny_gemma3_config
 
 PAGE = 4
 
@@ -48,8 +48,7 @@ def _engine(folder, num_pages: int | None = None, **kw) -> Engine:
         core.cache = build_prefix_cache(core.config, core.memory, core.kv)
         core.scheduler = Scheduler(core.memory, core.config.max_num_seqs,
                                    core.config.max_num_batched_tokens, core.cache,
-                                   core.config.schedule_conservativeness,
-                                   core.config.kv_bound_step_tokens)
+                                   core.config.schedule_conservativeness)
     return eng
 
 
@@ -144,61 +143,3 @@ def test_request_that_never_fits_alone_is_aborted(folder):
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].token_ids) == 12
     eng.core.memory.check_integrity()
     assert not eng.core.has_unfinished()
-
-
-def _record_steps(eng) -> list[tuple[int, int, int, int]]:
-    """Wrap the scheduler so each step's (decode tokens, prefill tokens, requests waiting
-    before it, requests running or waiting before it) are recorded."""
-    from swaserve.engine.scheduler import _decoding
-
-    sched, steps = eng.core.scheduler, []
-    schedule = sched.schedule
-
-    def recorded():
-        # Classified before the step runs: a chunk that is a request's last token is a decode.
-        waiting, present = len(sched.waiting), len(sched.waiting) + len(sched.running)
-        batch = schedule()
-        dec = sum(n for r, n in zip(batch.requests, batch.num_new_tokens) if _decoding(r))
-        steps.append((dec, sum(batch.num_new_tokens) - dec, waiting, present))
-        return batch
-
-    sched.schedule = recorded
-    return steps
-
-
-def test_kv_bound_steps_overlap_prefill_with_decodes(folder):
-    """When the pool holds fewer requests than --kv-bound-step-tokens and more are queued, a
-    step with decodes carries at most max(R - decodes, page) prefill tokens; a step with no
-    decode, and a workload that fits, prefill at full speed. Outputs equal the uncapped run."""
-    prompts = _prompts(12, 40, seed=5)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    limit = 16
-    runs = {}
-    for cap in (0, limit):
-        eng = check_integrity_every_step(
-            _engine(folder, num_pages=120, disable_prefix_cache=True, kv_bound_step_tokens=cap))
-        steps = _record_steps(eng)
-        outs = eng.generate(prompt_token_ids=prompts, sampling_params=params)
-        runs[cap] = ([o.token_ids for o in outs], steps, eng.core.scheduler.num_kv_bound_steps)
-        memory = eng.core.memory
-    # Each request ends near 52 tokens: 13 full-group pages + 3 x 3 SWA pages; 119 usable pages
-    # hold 5 at once (fewer than R = 16), and 12 are queued.
-    per_request = memory.footprint_pages(52)
-    fit = memory.pool.capacity // per_request
-    assert fit < limit and fit < len(prompts), fit
-    (want, free_steps, n_free), (got, capped_steps, n_capped) = runs[0], runs[limit]
-    assert got == want
-    assert n_free == 0 and n_capped > 0
-    # Without the cap, steps with decodes and a queue prefill far more: the cap has work to do.
-    assert any(dec and waiting and pre > limit for dec, pre, waiting, _ in free_steps)
-    for dec, pre, waiting, present in capped_steps:
-        if dec and waiting and present > fit:
-            assert pre <= max(limit - dec, PAGE), str(capped_steps)
-    # Nothing decodes in the first step: it admits as much as the pool takes (the budget is 256).
-    assert capped_steps[0][:2] == free_steps[0][:2] and capped_steps[0][1] > limit
-    # Once the rest fit at once, the last prefills run at full speed.
-    assert any(dec and present <= fit and pre > limit for dec, pre, _, present in capped_steps)
-    # A workload whose requests all fit at once is never capped.
-    eng = _engine(folder, num_pages=120, disable_prefix_cache=True, kv_bound_step_tokens=limit)
-    eng.generate(prompt_token_ids=prompts[:4], sampling_params=params)
-    assert eng.core.scheduler.num_kv_bound_steps == 0
