@@ -15,6 +15,9 @@ Workloads (dummy bf16 weights; greedy, ignore_eos):
   fp8-16k         Llama-3.1-8B shape, 16 GiB of KV, 64 x (16,000 + 1,024), bf16 against FP8
                   KV (engines swaserve and swaserve-fp8 by default): output tok/s
 
+An engine name may carry swaserve Engine arguments after `@`, comma-separated:
+`swaserve@max_num_batched_tokens=4096` (numbers are parsed; the run is otherwise the same).
+
 Prints one table last; per-run logs and JSON lines under $OUT (default ./bench_out).
 Usage (repo root):
   python3 benchmarks/vs_vllm.py [--workloads offline latency ...] [--engines swaserve vllm]
@@ -27,6 +30,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -81,7 +85,7 @@ def _requests(name: str, w: Workload) -> list[tuple[list[int], int]]:
 
 
 class _Swaserve:
-    def __init__(self, w: Workload, fp8: bool) -> None:
+    def __init__(self, w: Workload, fp8: bool, extra: dict | None = None) -> None:
         from swaserve import Engine
 
         kwargs: dict = dict(model=w.model, load_format="dummy", max_model_len=w.max_model_len)
@@ -91,7 +95,7 @@ class _Swaserve:
             kwargs["max_num_batched_tokens"] = w.budget
         if fp8:
             kwargs.update(kv_cache_dtype="fp8_e4m3", kv_cache_scale=1.0)
-        self.engine = Engine(**kwargs)
+        self.engine = Engine(**kwargs, **(extra or {}))
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
         from swaserve import SamplingParams
@@ -137,8 +141,19 @@ class _Vllm:
 
 
 def _build(engine: str, w: Workload):
-    cls = _Vllm if engine.startswith("vllm") else _Swaserve
-    return cls(w, fp8=engine.endswith("-fp8"))
+    name, _, args = engine.partition("@")
+    if name.startswith("vllm"):
+        if args:
+            raise SystemExit(f"{engine}: Engine arguments after @ are for swaserve only")
+        return _Vllm(w, fp8=name.endswith("-fp8"))
+    extra = {}
+    for item in filter(None, args.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
+    return _Swaserve(w, fp8=name.endswith("-fp8"), extra=extra)
 
 
 def run_side(name: str, engine: str, passes: int = 1) -> dict:
@@ -182,6 +197,9 @@ def run_side(name: str, engine: str, passes: int = 1) -> dict:
     if got != sum(max_tokens):
         raise RuntimeError(f"{got} output tokens, expected {sum(max_tokens)}")
     n_prompt = sum(len(p) for p in prompts)
+    if isinstance(eng, _Swaserve) and hasattr(eng.engine, "core"):
+        sched = eng.engine.core.scheduler
+        row.update(preemptions=sched.num_preemptions)
     row.update(elapsed_s=round(dt, 2), output_tok_per_s=round(got / dt, 1),
                total_tok_per_s=round((got + n_prompt) / dt, 1), requests=len(reqs))
     return row
@@ -235,7 +253,7 @@ def main() -> None:
             if not _installed(engine):
                 print(f"{name} / {engine}: not installed, skipped", flush=True)
                 continue
-            log = out / f"vs_vllm_{name}_{engine}.log"
+            log = out / re.sub(r"[^A-Za-z0-9._-]", "_", f"vs_vllm_{name}_{engine}.log")
             t = time.perf_counter()
             cmd = [sys.executable, __file__, "--side", name, engine, "--passes", str(args.passes)]
             row, _, rc = run_child(cmd, args.timeout, log)
