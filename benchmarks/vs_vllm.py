@@ -15,8 +15,8 @@ Workloads (dummy bf16 weights; greedy, ignore_eos):
   fp8-16k         Llama-3.1-8B shape, 16 GiB of KV, 64 x (16,000 + 1,024), bf16 against FP8
                   KV (engines swaserve and swaserve-fp8 by default): output tok/s
 
-An engine name may carry swaserve Engine arguments after `@`, comma-separated:
-`swaserve@max_num_batched_tokens=4096` (numbers are parsed; the run is otherwise the same).
+An engine name may carry swaserve Engine arguments after `@`, comma-separated, parsed as
+step_profile.py's --engine-arg: `swaserve@max_num_batched_tokens=4096`.
 
 Prints one table last; per-run logs and JSON lines under $OUT (default ./bench_out).
 Usage (repo root):
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
 from child_run import record, run_child  # noqa: E402
-from step_profile import digest, make_requests  # noqa: E402  (the peer's request order)
+from step_profile import _engine_arg, digest, make_requests  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -146,13 +146,7 @@ def _build(engine: str, w: Workload):
         if args:
             raise SystemExit(f"{engine}: Engine arguments after @ are for swaserve only")
         return _Vllm(w, fp8=name.endswith("-fp8"))
-    extra = {}
-    for item in filter(None, args.split(",")):
-        key, _, value = item.partition("=")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value
+    extra = dict(_engine_arg(item) for item in args.split(",") if item)
     return _Swaserve(w, fp8=name.endswith("-fp8"), extra=extra)
 
 
