@@ -280,25 +280,34 @@ def attend_fast(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attend_batched` (same shapes, same result to ~1e-6) through torch's fused SDPA in
-    float32 where it applies, neither soft-capping nor sinks (SDPA has neither), and pays: not
-    for single-token rows over one KV head, where the einsums need no copy of the keys. The
-    einsums copy the gathered K/V into a head-major layout and build the scores whole; SDPA
-    reads them strided. 2-core CPU, one thread (RESULTS.md, stop 25):
-    - a 256-token chunk over 1,500 keys: 67 -> 16 ms with SmolLM2's heads (9 q, 3 kv, D 64),
-      43 -> 26 ms with Gemma 3 270M's (4, 1, D 256);
-    - 8 decodes over 1,532 keys, SmolLM2's heads: 15.4 -> 8.0 ms; 16 over 150: 2.6 -> 0.8;
-    - 16 decodes over 200 keys, Gemma's single KV head: 1.34 (einsums) against 1.59."""
-    n, h, hkv = q.shape[1], q.shape[2], k.shape[2]
-    if softcap or sinks is not None or (n == 1 and hkv == 1):
+    float32 where it applies: neither soft-capping nor sinks (SDPA has neither). The einsums
+    copy the gathered K/V into a head-major layout and build the scores whole; SDPA reads them
+    strided. Single-token rows (decodes) go in grouped-query form: each KV head's G query heads
+    are G query rows of one SDPA head, so no key is expanded or copied per query head. 2-core
+    CPU (RESULTS.md, stops 25 and 26):
+    - a 256-token chunk over 1,500 keys, one thread: 67 -> 16 ms with SmolLM2's heads (9 q, 3
+      kv, D 64), 43 -> 26 ms with Gemma 3 270M's (4, 1, D 256);
+    - 16 decodes over 200 keys, two threads: Gemma's heads 0.61 ms (einsums) -> 0.44, SmolLM2's
+      0.58 (SDPA with its GQA expansion) -> 0.49; 8 over 1,532 keys: 2.70 -> 2.30, 3.16 ->
+      2.36."""
+    r, n, h, d = q.shape
+    hkv = k.shape[2]
+    if softcap or sinks is not None:
         return attend_batched(q, k, v, mask, scale, softcap, sinks)
+    kt, vt = k.float().transpose(1, 2), v.float().transpose(1, 2)  # [R, Hkv, L, D]
+    if n == 1:
+        o = F.scaled_dot_product_attention(
+            q.float().reshape(r, hkv, h // hkv, d),  # query head i -> kv head i // (H // Hkv)
+            kt, vt, attn_mask=mask[:, None], scale=scale,  # [R, 1, 1, L], True = may attend
+        )  # fmt: skip
+        return o.reshape(r, 1, h, d).to(q.dtype)
     o = F.scaled_dot_product_attention(
         q.float().transpose(1, 2),  # [R, H, n, D]
-        k.float().transpose(1, 2),  # [R, Hkv, L, D]
-        v.float().transpose(1, 2),
+        kt, vt,
         attn_mask=mask[:, None],  # [R, 1, n, L], True = may attend
         scale=scale,
         enable_gqa=hkv != h,  # query head i reads kv head i // (H // Hkv), as in `attend`
-    )
+    )  # fmt: skip
     return o.transpose(1, 2).to(q.dtype)
 
 

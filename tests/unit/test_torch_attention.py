@@ -36,6 +36,20 @@ def test_attend_fast_equals_reference(n, h, hkv, window):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+def test_attend_fast_decodes_from_strided_queries():
+    """The engine's q is a strided view of the merged q|k|v projection: the grouped-query form
+    of single-token rows takes it as it comes."""
+    g = torch.Generator().manual_seed(3)
+    R, L, h, hkv, d = 4, 11, 6, 2, 8
+    qkv = torch.randn(R, (h + 2 * hkv) * d, generator=g)
+    q = qkv[:, : h * d].view(R, h, d)[:, None]  # [R, 1, H, D], rows (H + 2 Hkv) D apart
+    assert not q.is_contiguous()
+    k, v = (torch.randn(R, L, hkv, d, generator=g) for _ in range(2))
+    mask = (torch.arange(L)[None, None, :] < torch.tensor([11, 3, 7, 1])[:, None, None])
+    torch.testing.assert_close(attend_fast(q, k, v, mask, 0.3),
+                               attend_batched(q, k, v, mask, 0.3), atol=2e-6, rtol=1e-5)
+
+
 def test_attend_fast_keeps_softcap_and_sinks():
     """SDPA has neither: those calls take the reference itself (bit-equal)."""
     g = torch.Generator().manual_seed(7)
