@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from swaserve.attention.base import AttentionBackend, AttentionInputs
-from swaserve.attention.kernels.paged_attention import paged_attention, store_kv
+from swaserve.attention.kernels.paged_attention import no_split_cap, paged_attention, store_kv
 from swaserve.attention.kernels.rope_store import QKPrologue, qk_rope_store
 from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.memory.groups import GroupLayout
@@ -33,6 +33,9 @@ class TritonGroupMetadata:
     # the step's lengths; a window bounds the keys, so it splits less); None lets
     # `paged_attention` choose from max_seq_len.
     num_splits: int | None = None
+    # [1] int32 on the device (CUDA graphs): the splits this step's batch wants, at most
+    # num_splits (set per replay); None: all num_splits
+    split_cap: torch.Tensor | None = None
 
 
 @dataclass
@@ -66,6 +69,7 @@ class TritonBackend(AttentionBackend):
                 "the triton attention backend needs a CUDA device, or TRITON_INTERPRET=1 set "
                 "before triton is imported to run on CPU (slow; for tests)"
             )
+        no_split_cap(self.device)  # made here, never first inside a CUDA graph capture
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -155,6 +159,7 @@ class TritonBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             num_splits=gm.num_splits,
+            split_cap=gm.split_cap,
             k_new=k if fresh else None,
             v_new=v if fresh else None,
             out=out,

@@ -11,8 +11,12 @@ buffers that every replay overwrites in place:
     requests [n, bs)  padding: slot -1 (the store kernel skips it), seq_len q over the NULL
                       page (all-zero table row), so they read finite keys and write nothing
 
-The split-KV count is fixed per bucket (chosen for the longest context), because a replayed
-launch cannot change its grid. Only the Triton backend is captured; eager is the fallback.
+Key splits (split-KV): a replayed launch cannot change its grid, so a bucket's grid holds the
+most splits any batch it serves may want (`choose_num_splits` over its batch sizes at the
+longest context, per KV group: a window bounds the keys). Each replay writes the count this
+step's batch wants (its real size and longest context, `SplitRule`) to a device int that the
+kernel reads (`split_cap`): 17 requests in the 32-request bucket split as 17 would. Only the
+Triton backend is captured; eager is the fallback.
 """
 
 from __future__ import annotations
@@ -56,6 +60,41 @@ def no_collection() -> Iterator[None]:
             gc.enable()
 
 
+class SplitRule:
+    """Key splits per KV group of a decode or verify graph's attention (`choose_num_splits`):
+    `rule(n, kv_len)` for a replay of n requests whose longest holds kv_len keys, `grid(sizes)`
+    the most over a bucket's batch sizes at the longest context, `longest`. A window bounds a
+    group's keys (window + q - 1 for q queries).
+
+    With fewer programs than two per SM the replay keeps the split count of the longest
+    context: the kernel then gives each split an equal share of a block's tiles, down to one
+    tile, and such short dependent walks are what batch-1 latency wants. One split of four
+    tiles (the count `choose_num_splits` gives 256 keys) made batch-1 Llama-8B decode 2.4%
+    slower on the H200 (4.30 against 4.20 ms/token, benchmarks/RESULTS.md stop 27). Busier
+    SMs split by the real context (splits of >= BALANCE_SPLIT_KEYS keys)."""
+
+    def __init__(
+        self, num_kv_heads: int, q: int, block_q: int, num_sms: int, windows: list[int | None],
+        longest: int,
+    ) -> None:
+        self.hkv, self.q, self.block_q, self.num_sms = num_kv_heads, q, block_q, num_sms
+        self.windows, self.longest = windows, longest
+
+    def __call__(self, n: int, kv_len: int) -> list[int]:
+        if n * self.hkv < 2 * self.num_sms:
+            kv_len = self.longest
+        return [
+            choose_num_splits(n, self.hkv, self.q, kv_len if w is None else
+                              min(kv_len, w + self.q - 1), self.block_q, self.num_sms)
+            for w in self.windows
+        ]  # fmt: skip
+
+    def grid(self, batch_sizes: range) -> list[int]:
+        """Per group, the most splits any of `batch_sizes` wants (at the longest context: more
+        keys never want fewer splits)."""
+        return [max(c) for c in zip(*(self(n, self.longest) for n in batch_sizes), strict=True)]
+
+
 def batch_buckets(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 16))
     return sorted({b for b in sizes if b <= max_bs} | {max_bs})
@@ -87,7 +126,10 @@ class DecodeGraphs:
         rows = self.max_bs * q
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.full((self.max_bs,), q, dtype=torch.int32, device=dev)
+        # [split caps per group | seq_lens]: one copy per replay writes both
+        self.ints = torch.full((ngroups + self.max_bs,), q, dtype=torch.int32, device=dev)
+        self.split_caps = self.ints[:ngroups]
+        self.seq_lens = self.ints[ngroups:]
         self.qsl = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev) * q
         self.tables = [
             torch.zeros(self.max_bs, self.max_pages, dtype=torch.int32, device=dev)
@@ -97,15 +139,14 @@ class DecodeGraphs:
             torch.full((rows,), -1, dtype=torch.int64, device=dev) for _ in range(ngroups)
         ]
         h, hkv, d = spec_shape
-        # per bucket, per group: a window bounds the keys its layers read, so they split less
+        self.want = SplitRule(hkv, q, attention_config(d, h // hkv, q).block_q, _num_sms(dev),
+                              [g.window for g in backend.layout.groups], max_model_len + q - 1)
+        # per bucket, per group: the grid's splits, the most any batch of the bucket may want
         self.splits: dict[int, list[int]] = {}
-        cfg = attention_config(d, h // hkv, q)
-        longest = [max_model_len if g.window is None else min(g.window, max_model_len)
-                   for g in backend.layout.groups]  # fmt: skip
+        smaller = 0
         for bs in self.buckets:
-            self.splits[bs] = [
-                choose_num_splits(bs, hkv, q, n, cfg.block_q, _num_sms(dev)) for n in longest
-            ]
+            self.splits[bs] = self.want.grid(range(smaller + 1, bs + 1))
+            smaller = bs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.keep_layers = keep_layers
@@ -121,8 +162,10 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:bs],
             context_lens=self.seq_lens[:bs],  # unused by the kernels
             groups=[
-                TritonGroupMetadata(tb[:bs], s[:t], n)
-                for tb, s, n in zip(self.tables, self.slots, self.splits[bs], strict=True)
+                TritonGroupMetadata(tb[:bs], s[:t], n, self.split_caps[g : g + 1])
+                for g, (tb, s, n) in enumerate(
+                    zip(self.tables, self.slots, self.splits[bs], strict=True)
+                )
             ],
             num_tokens=t,
             max_query_len=self.q,
@@ -185,8 +228,9 @@ class DecodeGraphs:
         head = torch.tensor([token_ids + pad, positions + pad], dtype=torch.int64)
         self.input_ids[:bs].copy_(head[0], non_blocking=True)
         self.positions[:bs].copy_(head[1], non_blocking=True)
-        seq = torch.tensor([p + 1 for p in positions] + [1] * (bs - n), dtype=torch.int32)
-        self.seq_lens[:bs].copy_(seq, non_blocking=True)
+        caps = self.want(n, max(positions) + 1)
+        seq = torch.tensor(caps + [p + 1 for p in positions] + [1] * (bs - n), dtype=torch.int32)
+        self.ints[: len(caps) + bs].copy_(seq, non_blocking=True)
         if fill is not None:
             fill.apply(self.input_ids)
         pos = np.asarray(positions, dtype=np.int64)
@@ -227,8 +271,9 @@ class DecodeGraphs:
         t = bs * q
         self.input_ids[:t].copy_(head[0], non_blocking=True)
         self.positions[:t].copy_(head[1], non_blocking=True)
-        lens = torch.tensor(seq + [q] * (bs - n), dtype=torch.int32)
-        self.seq_lens[:bs].copy_(lens, non_blocking=True)
+        caps = self.want(n, max(seq))
+        lens = torch.tensor(caps + seq + [q] * (bs - n), dtype=torch.int32)
+        self.ints[: len(caps) + bs].copy_(lens, non_blocking=True)
         # Every table entry a row may read (up to start + q, padding included) is written:
         # NULL past the request's own pages.
         width = min(self.max_pages, max(-(-(p0 + q) // ps) for p0 in starts))

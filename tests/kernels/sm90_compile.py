@@ -80,7 +80,8 @@ def compile_case(case: tuple) -> None:
     tkv = "fp8e4nv" if kv == "fp8" else tq
     ptrs = {"k_cache_ptr": tkv, "v_cache_ptr": tkv, "block_table_ptr": "i32", "qsl_ptr": "i32",
             "seq_lens_ptr": "i32", "sinks_ptr": "fp32", "part_acc_ptr": "fp32",
-            "part_ml_ptr": "fp32", "part_n_ptr": "i32", "counter_ptr": "i32"}
+            "part_ml_ptr": "fp32", "part_n_ptr": "i32", "counter_ptr": "i32",
+            "split_cap_ptr": "i32"}
     fn = pa._paged_attn_kernel
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -345,6 +345,30 @@ def test_triton_split_merge_in_kernel(use_sinks, window, monkeypatch):
     assert (fused - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("cap,window,use_sinks", [(1, 0, True), (3, 0, False), (2, 7, True),
+                                                   (64, 0, False)])
+def test_triton_split_cap(cap, window, use_sinks, monkeypatch):
+    """A CUDA graph's launch keeps its grid of 32 splits while `split_cap` says how many a
+    block takes this replay: any cap equals the reference, and at cap 1 every block writes
+    its output itself, bit-equal to the unsplit launch (the merge still runs and skips it)."""
+    case = make_case([1, 1, 2], [150, 3, 70], group=4, window=window, seed=60 + cap)
+    sinks = torch.randn(case.q.shape[1], device=DEVICE) if use_sinks else None
+    kernels = []
+    real = pa._run
+    monkeypatch.setattr(pa, "_run", lambda k, *a, **kw: (kernels.append(k), real(k, *a, **kw)))
+    capped = case.run(scale=0.2, sinks=sinks, num_splits=32,
+                      split_cap=torch.tensor([cap], dtype=torch.int32, device=DEVICE))
+    assert kernels == [pa._paged_attn_kernel, pa._reduce_splits]
+    whole = case.run(scale=0.2, sinks=sinks, num_splits=1)
+    ref = case.reference(0.2, sinks=sinks)
+    assert not capped.isnan().any()
+    assert (capped - ref).abs().max().item() < 1e-4
+    if cap == 1:
+        assert torch.equal(capped, whole)
+    else:  # the first request's 151 keys (3 tiles) split, then merge: another rounding
+        assert (capped - whole).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize(
     "qlens,ctxs,window,use_sinks,fresh",
     [
@@ -402,6 +426,25 @@ def test_triton_split_kv_heuristic():
     assert choose_num_splits(17, 16, 1, 1024, block_q=1, num_sms=132) == 1
     assert choose_num_splits(64, 8, 1, 4096, block_q=1, num_sms=132) == 1
     assert choose_num_splits(48, 16, 1, 1024, block_q=1, num_sms=132) == 1
+
+
+def test_triton_graph_split_rule():
+    """The splits of decode graphs (swaserve/engine/cuda_graph.py): a bucket's grid holds the
+    most any of its batch sizes wants at the longest context, and a replay asks for what its
+    real batch wants (Gemma-3-27B: 17 requests replay the 32 bucket, whose own size would not
+    split its full layers; with few programs a replay keeps the longest context's count, so
+    batch-1 decode walks one tile per split)."""
+    from swaserve.engine.cuda_graph import SplitRule
+
+    gemma = SplitRule(16, 1, block_q=1, num_sms=132, windows=[1024, None], longest=131072)
+    assert gemma.grid(range(17, 33)) == [1, 4]
+    assert gemma(17, 9216) == [1, 4] and gemma(32, 9216) == [1, 1]
+    assert gemma(17, 600) == [1, 1]  # 272 programs: the real context decides
+    assert gemma(4, 600) == gemma(4, 131072) == [4, 16]  # 64 programs: the longest does
+    llama = SplitRule(8, 1, block_q=4, num_sms=132, windows=[None], longest=131072)
+    assert llama.grid(range(1, 2)) == llama(1, 256) == [MAX_SPLITS]
+    verify = SplitRule(8, 8, block_q=4, num_sms=132, windows=[None], longest=131072)
+    assert verify(1, 32768) == [1]  # 8 queries: more than one query block, never split
 
 
 def test_triton_attention_config():

@@ -268,6 +268,25 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     return buf
 
 
+NO_SPLIT_CAP = 1 << 30
+_no_caps: dict[torch.device, torch.Tensor] = {}
+
+
+def no_split_cap(device: torch.device) -> torch.Tensor:
+    """A `[1]` int32 on `device` no split count reaches: the `split_cap` of launches without one
+    (every split of the grid). Made on first use, which must not be inside a CUDA graph capture
+    (its value would be written only at replay): TritonBackend makes it at construction."""
+    if device.type == "cuda" and device.index is None:  # one key for "cuda" and "cuda:N"
+        device = torch.device("cuda", torch.cuda.current_device())
+    cap = _no_caps.get(device)
+    if cap is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("no_split_cap() first called inside a CUDA graph capture")
+        cap = _no_caps[device] = torch.full((1,), NO_SPLIT_CAP, dtype=torch.int32,
+                                            device=device)  # fmt: skip
+    return cap
+
+
 # ---- attention kernel -------------------------------------------------------------------------
 
 
@@ -536,6 +555,7 @@ def _paged_attn_kernel(
     part_ml_ptr,  # [T, H, splits, 2] float32: running max (log2), denominator
     part_n_ptr,  # [T, H] int32: the splits holding keys (split 0 writes it; not MERGE_LAST)
     counter_ptr,  # [>= grid0 * grid1] int32, zero between launches (MERGE_LAST only)
+    split_cap_ptr,  # [1] int32: the most splits a block takes (SPLIT_KV; `split_cap`)
     k_new_ptr,  # [T, Hkv, D] the step's own K/V (FRESH_NEW only)
     v_new_ptr,
     num_seqs,
@@ -607,12 +627,14 @@ def _paged_attn_kernel(
     tile_hi = last // BLOCK_N + 1
     used = 1  # splits holding keys
     if SPLIT_KV:
-        per_split = tl.maximum(tl.cdiv(tile_hi - tile_lo, tl.num_programs(2)), 1)
+        # The grid's split count is a CUDA graph's maximum; `split_cap` (set per replay) is
+        # what this step's batch wants, at most that.
+        num_splits = tl.minimum(tl.maximum(tl.load(split_cap_ptr), 1), tl.num_programs(2))
+        per_split = tl.maximum(tl.cdiv(tile_hi - tile_lo, num_splits), 1)
         used = tl.maximum(tl.cdiv(tile_hi - tile_lo, per_split), 1)
         # A split past the block's last tile returns before any load or store: the merge
-        # reads only the first `used` partials of a row. The split count is fixed by the
-        # longest context a CUDA graph serves (64 splits of a 4-8k window), so at short
-        # contexts most programs land here.
+        # reads only the first `used` partials of a row. At short contexts most programs
+        # land here. A block with one split (`used == 1`) writes its output itself.
         if split >= used:
             return
         t_begin = tile_lo + split * per_split
@@ -641,10 +663,10 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if USE_SINKS and not SPLIT_KV:
+    if USE_SINKS:  # seeded where this program writes the output (the merge adds it otherwise)
         sink = tl.load(sinks_ptr + head, mask=hg < G, other=0.0).to(tl.float32)
-        m_i = sink * 1.4426950408889634
-        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        m_i = tl.where(used == 1, sink * 1.4426950408889634, m_i)
+        l_i = tl.where(used == 1, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
     # Tiles every row of the block sees whole, run without masks: keys in
@@ -707,11 +729,20 @@ def _paged_attn_kernel(
 
     store_mask = row_valid[:, None] & d_valid[None, :]
     tok = (q_start + qi).to(tl.int64)
+    o_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if not SPLIT_KV:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc * (v_scale / l_safe)[:, None]
-        o_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+    elif used == 1:
+        # The only split of its block: the output directly, no partials. `part_n` 0 tells
+        # `_reduce_splits` the row is done (MERGE_LAST: no counter was taken).
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc * (v_scale / l_safe)[:, None]
+        tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+        if not MERGE_LAST:
+            n_row = tl.full([BLOCK_M], 0, tl.int32)
+            tl.store(part_n_ptr + tok * (tl.num_programs(1) * G) + head, n_row, mask=row_valid)
     else:
         # partials of row (tok, head, split): contiguous [T, H, splits, ...] scratch
         part = (tok * (tl.num_programs(1) * G) + head) * tl.num_programs(2) + split
@@ -735,7 +766,6 @@ def _paged_attn_kernel(
                     part_acc_ptr, part_ml_ptr, sinks_ptr, part - split, used, head, hg < G,
                     row_valid, d, store_mask, D_PAD, BLOCK_M, USE_SINKS,
                 )
-                o_offs = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
                 tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
         elif split == 0:
             n_row = tl.full([BLOCK_M], 0, tl.int32) + used
@@ -795,15 +825,18 @@ def _reduce_splits(
     """Merge the `num_splits` partials of one (token, head) row: out = sum_j acc_j 2^(m_j - M) / L
     with M = max(m_j [, sink]), L = sum_j l_j 2^(m_j - M) [+ 2^(sink - M)]. The splits are read
     BLOCK_S at a time (the count is a runtime value: one compiled variant for every count), and
-    only the `part_n` that hold keys. A row no attention program wrote (a prefill row of a mixed
-    batch's decode launch, rewritten by the prefill launch after this) reads a stale count:
-    clamped to [1, num_splits], so every read stays inside the partials."""
+    only the `part_n` that hold keys; 0 marks a row its one split wrote whole (nothing to do).
+    A row no attention program wrote (a prefill row of a mixed batch's decode launch, rewritten
+    by the prefill launch after this; CUDA graph padding) reads a stale count: clamped to
+    [0, num_splits], so every read stays inside the partials."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pdl_wait(USE_PDL)
     row = tok * NUM_HEADS + head
     base = row * num_splits
-    used = tl.minimum(tl.maximum(tl.load(part_n_ptr + row), 1), num_splits)
+    used = tl.minimum(tl.maximum(tl.load(part_n_ptr + row), 0), num_splits)
+    if used == 0:
+        return
     d = tl.arange(0, D_PAD)
     m_max = tl.full([], -1.0e30, tl.float32)
     if USE_SINKS:
@@ -926,6 +959,7 @@ def paged_attention(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     min_query_len: int | None = None,
+    split_cap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention; returns `[T, H, D]` in q's dtype.
 
@@ -946,6 +980,9 @@ def paged_attention(
     `min_query_len` (host int, optional): the batch's shortest query run; with a default
     `config` and `num_splits`, a batch mixing decode-sized and longer runs takes two launches,
     each with its own tiles.
+    `split_cap` (optional, `[1]` int32 on the device): with `num_splits` > 1, each query block
+    takes at most this many of the grid's splits (its value may change between CUDA graph
+    replays; the grid's count is the capture's maximum); None: every split of the grid.
     """
     t, h, d = q.shape
     num_pages, page_size, hkv, dk = k_cache.shape
@@ -968,7 +1005,7 @@ def paged_attention(
     launch = functools.partial(
         _launch, q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens,
         max_seq_len=max_seq_len, scale=scale, window=window, softcap=softcap, sinks=sinks,
-        k_scale=k_scale, v_scale=v_scale, k_new=k_new, v_new=v_new,
+        k_scale=k_scale, v_scale=v_scale, k_new=k_new, v_new=v_new, split_cap=split_cap,
     )
     # The fresh reads of a cache in the model dtype are a speed choice (H200, bf16,
     # benchmarks/attention_tuning.py: +5-17% on prefill chunks with little or no cached prefix,
@@ -1016,6 +1053,7 @@ def _launch(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
     fresh_new: bool,
+    split_cap: torch.Tensor | None,
 ) -> None:
     """One `_paged_attn_kernel` launch (and its split merge) over the requests whose new
     tokens number q_lens[0] to q_lens[1], writing their rows of `out`; `max_query_len` is the
@@ -1071,6 +1109,7 @@ def _launch(
         part_ml,
         part_n,
         out if counters is None else counters,  # dummy pointer when unused
+        split_cap if split_cap is not None and num_splits > 1 else no_split_cap(q.device),
         k_new,
         v_new,
         num_seqs,
