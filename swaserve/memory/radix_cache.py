@@ -681,6 +681,8 @@ class RadixCache:
         level 2, still short: every SWA page of internal nodes; the leaves whose end needed
                  one are removed after (`_tidy`).
         A leaf's own tail window goes only with the leaf (`_evict_leaves`)."""
+        if not self.swa:
+            return  # no SWA group: nothing to drop here (and no sort of every node)
         reach = self._leaf_reach() if level == 1 else {}
         for node in sorted(self.nodes, key=Node.lru_key):
             if self.evicted_pages >= goal:
@@ -778,11 +780,15 @@ class RadixCache:
         it evicted anything."""
         if node.pins or node in self._busy:
             return False
-        shared = max(
-            (i for row in node.dev for i, p in enumerate(row)
-             if p != NULL and self.pool.refcount(p) > 1),
-            default=-1,
-        ) + 1
+        # The first slot past the last one a request still holds, found from the end: a
+        # running request's own leaf (shared to its last slot) costs one slot's look, not a
+        # walk of its pages (every admission that evicts passes each running leaf here).
+        shared = node.n_slots
+        while shared > 0 and not any(
+            row[shared - 1] != NULL and self.pool.refcount(row[shared - 1]) > 1
+            for row in node.dev
+        ):
+            shared -= 1
         if shared == 0 or shared >= node.n_slots:
             return False
         cut, freed = node.n_slots, 0
