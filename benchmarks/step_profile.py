@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--torch-profile-steps", type=int, default=0, metavar="N",
                     help="instead of the table: N steps after the warm-up under torch.profiler, "
                          "then the kernels by GPU time (and a chrome trace under $OUT)")
+    ap.add_argument("--host-profile-steps", type=int, default=0, metavar="N",
+                    help="instead of the table: N steps after the warm-up under cProfile, then "
+                         "the host's functions by own time (and $OUT/host.prof)")
     ap.add_argument("--workload", default="offline",
                     help="a workload of benchmarks/vs_vllm.py (its model, KV budget, requests)")
     args = ap.parse_args()
@@ -160,6 +163,9 @@ def main() -> None:
         if args.torch_profile_steps and steps == args.warmup_steps:
             _kernel_profile(core, args.torch_profile_steps)
             return
+        if args.host_profile_steps and steps == args.warmup_steps:
+            _host_profile(core, args.host_profile_steps)
+            return
         if steps == args.warmup_steps:
             torch.cuda.synchronize()
             wall0 = time.perf_counter()
@@ -240,6 +246,33 @@ def _kernel_profile(core, n: int) -> None:
     out = os.environ.get("OUT")
     if out:
         prof.export_chrome_trace(os.path.join(out, "step_trace.json"))
+
+
+def _host_profile(core, n: int) -> None:
+    """n engine steps under cProfile: where the host's time goes (the profiler slows Python
+    calls, so the shares matter, not the absolute times)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    reqs = 0
+    prof.enable()
+    for _ in range(n):
+        core.step()
+        reqs += len(core.scheduler.running)
+    prof.disable()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    print(f"\n{n} steps (~{reqs / n:.0f} running requests) in {wall * 1e3:.1f} ms wall "
+          f"under cProfile ({wall / n * 1e3:.2f} ms a step)")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    out = os.environ.get("OUT")
+    if out:
+        stats.dump_stats(os.path.join(out, "host.prof"))
 
 
 if __name__ == "__main__":
