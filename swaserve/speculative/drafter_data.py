@@ -5,8 +5,9 @@ held-out split.
                       lists it continues, sampled with a seed per request), deduplicated,
                       topped up with written templates when too few survive
     answers           the target continues every prompt (greedy by default, as the served
-                      model is in the benchmark), in chunks, so that `max_seconds` can stop
-                      early with what is done
+                      model is in the benchmark); prompts stream through the engine so that
+                      its batch stays full to the end, and `max_seconds` stops it with what
+                      is done (answers cut short kept as far as they got)
     split             whole sequences (so whole prompts) go to the held-out set: no prompt
                       of it is trained on
 """
@@ -97,26 +98,68 @@ def builtin_prompts(
     return prompts
 
 
+MIN_PARTIAL_TOKENS = 32  # an answer cut short by the time limit is kept from this length
+
+
 def answer(
     engine: Any,
     prompts: Sequence[list[int]],
     params: SamplingParams,
-    chunk: int = 4096,
     max_seconds: float = 0,
+    in_flight: int = 0,
 ) -> list[tuple[list[int], int]]:
-    """(prompt + continuation, prompt length) per prompt, in order; chunk by chunk, stopping
-    after the chunk in which `max_seconds` (0: no limit) ran out."""
+    """(prompt + continuation, prompt length) per prompt answered, in prompt order.
+
+    The prompts stream through the engine core: a new one is added as soon as fewer than
+    `in_flight` (default: twice --max-num-seqs) are queued or running, so the batch stays full
+    until the last prompts (answering in chunks left the GPU with a chunk's few longest
+    answers at the end of each). When `max_seconds` (0: no limit) runs out, nothing more is
+    added, the answers still running are aborted and kept as far as they got when at least
+    MIN_PARTIAL_TOKENS long (a greedy answer's prefix is the target's text all the same), and
+    the engine is left with no request and no step in flight."""
+    if params.n != 1 or params.stop:
+        raise ValueError("answer() streams one sample per prompt with no stop strings")
+    core = engine.core
+    for ids in prompts:  # every prompt checked before the first is added
+        core.resolve_max_tokens(len(ids), params)
+    limit = in_flight or 2 * engine.config.max_num_seqs
     t0 = time.monotonic()
-    seqs: list[tuple[list[int], int]] = []
-    for start in range(0, len(prompts), chunk):
-        if max_seconds and time.monotonic() - t0 > max_seconds:
-            print(f"train-drafter: answered {len(seqs)} of {len(prompts)} prompts: "
-                  f"--max-generate-seconds {max_seconds:g} reached", flush=True)
-            break
-        part = list(prompts[start : start + chunk])
-        outs = engine.generate(prompt_token_ids=part, sampling_params=params, use_tqdm=True)
-        seqs += [(p + list(o.token_ids), len(p)) for p, o in zip(part, outs)]
-    return seqs
+    got: dict[int, list[int]] = {}  # prompt index -> tokens so far, while queued or running
+    done: dict[int, list[int]] = {}
+    added = 0
+    timed_out = False
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(prompts), desc="answer", unit="prompt", leave=False)
+    try:
+        while added < len(prompts) or got:
+            if max_seconds and time.monotonic() - t0 > max_seconds:
+                timed_out = True
+                break
+            while added < len(prompts) and len(got) < limit:
+                core.add_request(f"answer-{added}", list(prompts[added]), params)
+                got[added] = []
+                added += 1
+            for out in core.step():
+                i = int(out.request_id.rpartition("-")[2])
+                if i not in got:
+                    continue
+                got[i] += out.new_token_ids
+                if out.finish_reason is not None:
+                    done[i] = got.pop(i)
+                    bar.update(1)
+    finally:
+        bar.close()
+        core.abort_requests([f"answer-{i}" for i in got])
+        while core.has_in_flight():  # the overlap's last step: its tokens are dropped
+            core.step()
+    partial = {i: t for i, t in got.items() if len(t) >= MIN_PARTIAL_TOKENS}
+    if timed_out:
+        print(f"train-drafter: answered {len(done)} of {len(prompts)} prompts, {len(partial)} "
+              f"more cut short (>= {MIN_PARTIAL_TOKENS} tokens kept): --max-generate-seconds "
+              f"{max_seconds:g} reached", flush=True)
+    done.update(partial)
+    return [(list(prompts[i]) + done[i], len(prompts[i])) for i in sorted(done)]
 
 
 def split_held_out(n: int, held_out: int, seed: int) -> tuple[list[int], list[int]]:

@@ -311,8 +311,8 @@ def add_args(p: Any) -> None:
                    help="tokens of each answer (default %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="answers: 0 is greedy")
     g.add_argument("--max-generate-seconds", type=float, default=0,
-                   help="stop answering after the chunk of prompts in which this ran out and "
-                   "train on what is done (0: no limit)")
+                   help="stop answering when this runs out and train on what is done, answers "
+                   "cut short kept as far as they got (0: no limit)")
     g.add_argument("--heldout-sequences", type=int, default=256,
                    help="sequences kept out of training, for the held-out evaluation (at most "
                    "a tenth of them; default %(default)s)")

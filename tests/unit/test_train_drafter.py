@@ -20,9 +20,10 @@ from dflash.model import DFlashDraftModel
 
 from swaserve import Engine, SamplingParams
 from swaserve.cli import main as cli_main
+from swaserve.speculative import drafter_data
 from swaserve.speculative.dflash_config import dflash_config_from_dict
 from swaserve.speculative.dflash_model import DFlashDrafter, load_dflash_drafter
-from swaserve.speculative.drafter_data import split_held_out
+from swaserve.speculative.drafter_data import answer, split_held_out
 from swaserve.speculative.drafter_features import feature_batches, target_features
 from swaserve.speculative.drafter_prompts import dedupe, parse_questions, question_requests
 from swaserve.speculative.drafter_training import (
@@ -216,6 +217,75 @@ def test_several_sequences_in_one_forward_equal_each_alone(target):
         n_blocks += r.num_blocks
     assert got.num_blocks == n_blocks == 8
     torch.testing.assert_close(got.loss, sum(losses) / n_blocks, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def small_engine(target) -> Engine:
+    # max_num_seqs 2: seven prompts stream through at most four queued or running at once
+    return Engine(model=target, device="cpu", dtype="float32", kv_cache_gb=0.01, max_num_seqs=2)
+
+
+def _reference_answers(engine: Engine, prompts: list[list[int]], params) -> list[list[int]]:
+    return [o.outputs[0].token_ids
+            for o in engine.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def _assert_idle(engine: Engine) -> None:
+    core = engine.core
+    assert not core.has_unfinished() and not core.has_in_flight() and not core.requests
+    core.memory.check_integrity()
+
+
+def test_answers_stream_through_the_engine_in_prompt_order(small_engine):
+    """Prompts added as others finish (never more than `in_flight` in the engine) give each
+    prompt the answer `generate` gives it, in prompt order, and leave the engine idle."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 5000, (3 + 2 * i,), generator=gen).tolist() for i in range(7)]
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, detokenize=False)
+    want = _reference_answers(small_engine, prompts, params)
+    core = small_engine.core
+    add = core.add_request
+    most = [0]
+
+    def counting_add(*a, **k):
+        add(*a, **k)
+        most[0] = max(most[0], len(core.requests))
+
+    core.add_request = counting_add
+    try:
+        seqs = answer(small_engine, prompts, params)
+    finally:
+        core.add_request = add
+    assert most[0] == 4  # twice max_num_seqs, not all seven at once
+    assert seqs == [(p + w, len(p)) for p, w in zip(prompts, want)]
+    _assert_idle(small_engine)
+
+
+def test_answers_cut_short_by_the_time_limit_keep_what_they_got(small_engine, monkeypatch):
+    """When --max-generate-seconds runs out mid-way: nothing more is added, the running
+    answers are aborted and kept (from MIN_PARTIAL_TOKENS) as prefixes of their full answers,
+    queued prompts are dropped, and the engine is left idle."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(10, 5000, (4 + i,), generator=gen).tolist() for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
+    want = _reference_answers(small_engine, prompts, params)
+    ticks = iter(range(10**6))  # a clock that moves one second per look
+    monkeypatch.setattr(drafter_data, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    monkeypatch.setattr(drafter_data, "MIN_PARTIAL_TOKENS", 2)
+    seqs = answer(small_engine, prompts, params, max_seconds=8)
+    monkeypatch.undo()
+    _assert_idle(small_engine)
+    assert 0 < len(seqs) < len(prompts)
+    lengths = []
+    for seq, plen in seqs:
+        i = next(j for j, p in enumerate(prompts) if len(p) == plen)
+        assert seq[:plen] == prompts[i]
+        got = seq[plen:]
+        assert got == want[i][: len(got)] and len(got) >= 2
+        lengths.append(len(got))
+    assert min(lengths) < 12  # some answer was cut short and kept
+    # the engine still answers in full afterwards
+    assert _reference_answers(small_engine, prompts[:2], params) == want[:2]
 
 
 def test_held_out_split_is_disjoint_and_covers_every_sequence():
