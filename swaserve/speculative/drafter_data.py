@@ -104,25 +104,32 @@ MIN_PARTIAL_TOKENS = 32  # an answer cut short by the time limit is kept from th
 def answer(
     engine: Any,
     prompts: Sequence[list[int]],
-    params: SamplingParams,
+    params: SamplingParams | Sequence[SamplingParams],
     max_seconds: float = 0,
-    in_flight: int = 0,
+    burst: int = 0,
 ) -> list[tuple[list[int], int]]:
-    """(prompt + continuation, prompt length) per prompt answered, in prompt order.
+    """(prompt + continuation, prompt length) per prompt answered, in prompt order; `params`
+    for all prompts or one per prompt.
 
-    The prompts stream through the engine core: a new one is added as soon as fewer than
-    `in_flight` (default: twice --max-num-seqs) are queued or running, so the batch stays full
-    until the last prompts (answering in chunks left the GPU with a chunk's few longest
-    answers at the end of each). When `max_seconds` (0: no limit) runs out, nothing more is
+    The prompts stream through the engine core, in bursts: once `burst` (default an eighth of
+    --max-num-seqs) answers have finished, as many new prompts are added, so the batch stays
+    nearly full until the last prompts (answering in chunks left the GPU with a chunk's few
+    longest answers at the end of each). Bursts, not one prompt per finished answer: a step
+    that prefills runs the mixed-batch path, whose host cost on a small target is several times
+    a graphed decode step's (benchmarks/answer_rate.py: one new prompt every step made the
+    smollm2 run 12% slower than chunks). When `max_seconds` (0: no limit) runs out, nothing more is
     added, the answers still running are aborted and kept as far as they got when at least
     MIN_PARTIAL_TOKENS long (a greedy answer's prefix is the target's text all the same), and
     the engine is left with no request and no step in flight."""
-    if params.n != 1 or params.stop:
-        raise ValueError("answer() streams one sample per prompt with no stop strings")
+    per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    if len(per) != len(prompts) or any(p.n != 1 or p.stop for p in per):
+        raise ValueError("answer() streams one sample per prompt (params for all prompts or one "
+                         "per prompt) with no stop strings")
     core = engine.core
-    for ids in prompts:  # every prompt checked before the first is added
-        core.resolve_max_tokens(len(ids), params)
-    limit = in_flight or 2 * engine.config.max_num_seqs
+    for ids, p in zip(prompts, per):  # every prompt checked before the first is added
+        core.resolve_max_tokens(len(ids), p)
+    limit = engine.config.max_num_seqs
+    burst = min(limit, burst or max(1, limit // 8))
     t0 = time.monotonic()
     got: dict[int, list[int]] = {}  # prompt index -> tokens so far, while queued or running
     done: dict[int, list[int]] = {}
@@ -136,10 +143,11 @@ def answer(
             if max_seconds and time.monotonic() - t0 > max_seconds:
                 timed_out = True
                 break
-            while added < len(prompts) and len(got) < limit:
-                core.add_request(f"answer-{added}", list(prompts[added]), params)
-                got[added] = []
-                added += 1
+            if len(got) <= limit - burst:  # a burst: refill to the batch's size at once
+                for _ in range(min(limit - len(got), len(prompts) - added)):
+                    core.add_request(f"answer-{added}", list(prompts[added]), per[added])
+                    got[added] = []
+                    added += 1
             for out in core.step():
                 i = int(out.request_id.rpartition("-")[2])
                 if i not in got:
