@@ -741,10 +741,15 @@ class RadixCache:
         order = self._postorder()
         for n in order:
             below[n] = n.num_dev > 0 or any(below[c] for c in n.children.values())
+        # A leaf whose last slot a request still holds can give nothing (`_evictable` and
+        # `_evict_tail` both refuse it): every running request's own leaf is one, so it is
+        # left out here rather than pushed and popped on every admission that evicts.
         heap = [
             (n.lru_key(), n)
             for n in order
-            if n.num_dev > 0 and not any(below[c] for c in n.children.values())
+            if n.num_dev > 0
+            and not any(below[c] for c in n.children.values())
+            and not self._held_to_end(n)
         ]
         heapq.heapify(heap)
         progress = False
@@ -771,6 +776,13 @@ class RadixCache:
                 below[a] = False
                 a = a.parent
         return progress
+
+    def _held_to_end(self, node: Node) -> bool:
+        """Some request holds the node's last slot (a page there shared beyond the tree)."""
+        last = node.n_slots - 1
+        return last >= 0 and any(
+            row[last] != NULL and self.pool.refcount(row[last]) > 1 for row in node.dev
+        )
 
     def _evict_tail(self, node: Node, goal: int) -> bool:
         """A device leaf that running requests use only up to some slot (they hit it mid-way):
