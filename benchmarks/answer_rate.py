@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from swaserve import Engine, SamplingParams
 from swaserve.speculative.drafter_data import answer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import host_timer  # noqa: E402
 
 
 def workload(
@@ -40,22 +45,9 @@ def workload(
 def _phases(core) -> dict[str, float]:
     """Wrap the step's phases with host timers; returns the dict they add seconds to."""
     host: dict[str, float] = defaultdict(float)
-
-    def timed(obj, name):
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                host[name] += time.perf_counter() - t
-
-        setattr(obj, name, wrapper)
-
     for obj, name in ((core.scheduler, "schedule"), (core, "_launch"), (core, "_resolve"),
                       (core.scheduler, "retire"), (core, "step")):  # fmt: skip
-        timed(obj, name)
+        host_timer(host, obj, name, name)
     host["steps"] = 0.0
     step = core.step
 

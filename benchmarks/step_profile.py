@@ -62,6 +62,20 @@ def _engine_arg(text: str) -> tuple[str, object]:
     return key, value
 
 
+def host_timer(host: dict, obj: object, name: str, phase: str) -> None:
+    """Wrap `obj.name` so that each call adds its host seconds to `host[phase]`."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            host[phase] += time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=1000)
@@ -106,23 +120,11 @@ def main() -> None:
     stats = defaultdict(lambda: defaultdict(float))  # kind -> field -> total
     graph_hit = [False]
 
-    def timed(obj, name, phase):
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                host[phase] += time.perf_counter() - t
-
-        setattr(obj, name, wrapper)
-
-    timed(core.scheduler, "schedule", "schedule")
+    host_timer(host, core.scheduler, "schedule", "schedule")
     if core.cache is not None:
-        timed(core.cache, "move_pages", "page_moves")
-    timed(core, "_resolve", "resolve")
-    timed(core.scheduler, "retire", "retire")
+        host_timer(host, core.cache, "move_pages", "page_moves")
+    host_timer(host, core, "_resolve", "resolve")
+    host_timer(host, core.scheduler, "retire", "retire")
     decode_logits = core.runner.decode_logits
 
     def decode_probe(*a, **k):

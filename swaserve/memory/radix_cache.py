@@ -777,12 +777,12 @@ class RadixCache:
                 a = a.parent
         return progress
 
+    def _slot_held(self, node: Node, i: int) -> bool:
+        """Some request holds slot i of the node (a page there shared beyond the tree)."""
+        return any(row[i] != NULL and self.pool.refcount(row[i]) > 1 for row in node.dev)
+
     def _held_to_end(self, node: Node) -> bool:
-        """Some request holds the node's last slot (a page there shared beyond the tree)."""
-        last = node.n_slots - 1
-        return last >= 0 and any(
-            row[last] != NULL and self.pool.refcount(row[last]) > 1 for row in node.dev
-        )
+        return node.n_slots > 0 and self._slot_held(node, node.n_slots - 1)
 
     def _evict_tail(self, node: Node, goal: int) -> bool:
         """A device leaf that running requests use only up to some slot (they hit it mid-way):
@@ -796,10 +796,7 @@ class RadixCache:
         # running request's own leaf (shared to its last slot) costs one slot's look, not a
         # walk of its pages (every admission that evicts passes each running leaf here).
         shared = node.n_slots
-        while shared > 0 and not any(
-            row[shared - 1] != NULL and self.pool.refcount(row[shared - 1]) > 1
-            for row in node.dev
-        ):
+        while shared > 0 and not self._slot_held(node, shared - 1):
             shared -= 1
         if shared == 0 or shared >= node.n_slots:
             return False

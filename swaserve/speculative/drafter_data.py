@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm import tqdm
+
 from swaserve.sampling.params import SamplingParams
 from swaserve.speculative.drafter_prompts import (
     dedupe,
@@ -135,8 +137,6 @@ def answer(
     done: dict[int, list[int]] = {}
     added = 0
     timed_out = False
-    from tqdm import tqdm
-
     bar = tqdm(total=len(prompts), desc="answer", unit="prompt", leave=False)
     try:
         while added < len(prompts) or got:
