@@ -57,6 +57,8 @@ Eviction, only under pressure (`evict(n)`, bounded by n):
      tree holds that it does not use itself: it is never aborted for the cache's sake.
 Offload tiers make room the same way: redundant copies first, then demotion to the next tier
 (host -> disk), then leaves that live only there.
+Steps 1 and 2 take their nodes from queues kept across evictions (`lru_queue.py`), so an
+admission into a full cache costs what it evicts, not a walk of the whole tree.
 
 Loads. A hit on offloaded slots loads them back into fresh device pages of the tree (in-window
 slots only for SWA groups); `attach` queues the loads and `move_pages` flushes them, on their
@@ -82,7 +84,6 @@ own stream on CUDA (host_cache.py), so they overlap the forwards of other reques
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 from collections import Counter
 from collections.abc import Sequence
@@ -91,6 +92,7 @@ from typing import Protocol
 
 from swaserve.memory.host_cache import OffloadPool, PageMover, config_tiers
 from swaserve.memory.kv_pool import KVPool
+from swaserve.memory.lru_queue import LruQueue
 from swaserve.memory.manager import MemoryManager
 from swaserve.memory.pool import NULL_PAGE
 
@@ -232,6 +234,12 @@ class RadixCache:
         self.root = Node(None, [], 0, 0, len(self.groups), len(self.tiers))
         self.nodes: set[Node] = set()  # every node but the root
         self._clock = itertools.count(1)
+        self._lru: LruQueue[Node] = LruQueue()  # device leaves to evict, LRU first
+        self._swa_lru: LruQueue[Node] = LruQueue()  # nodes whose out-of-window SWA pages may go
+        # Nodes stamped since the SWA queue was last built (with an SWA group only): no other
+        # node can have gained droppable pages since, so a rebuild takes these alone.
+        self._touched: set[Node] | None = set() if self.swa else None
+        self._swa_built = False
         self._inserted: dict[str, int] = {}  # request -> tokens of it already inserted
         self._suspects: set[Node] = set()  # leaves with an unusable end, kept while in use
         self._step_pins: list[Node] = []  # copy-on-write sources, until move_pages
@@ -406,7 +414,7 @@ class RadixCache:
                 self._waits[request_id] = max(after)
         stamp = next(self._clock)
         for node in hit.nodes:
-            node.last_access = stamp
+            self._touch(node, stamp)
         self.hit_tokens += p
         self.num_hits += 1
 
@@ -523,7 +531,7 @@ class RadixCache:
                     self._extend(node, tokens[pos:end], tables)
                 else:
                     node = self._new_node(node, tokens[pos:end], tables)
-                node.last_access = stamp
+                self._touch(node, stamp)
                 break
             n = min(len(child.key), end - pos) // ps
             k = n if child.key[: n * ps] == tokens[pos : pos + n * ps] else 1
@@ -535,7 +543,7 @@ class RadixCache:
             if k < child.n_slots and pos + k * ps < end:
                 child = self._split(child, k)  # the request diverges after page k
             self._adopt(child, min(k, child.n_slots), tables, first_live, swaps)
-            child.last_access = stamp
+            self._touch(child, stamp)
             pos += k * ps
             node = child
         # The table may hold nothing live for the new slots (window 1 and no full group: a
@@ -629,8 +637,8 @@ class RadixCache:
         parent.children[tuple(top.key[:ps])] = top  # same first page as `node`: same key
         _add_child(top, node, ps)
         node.parent = top
-        top.last_access = node.last_access
         self.nodes.add(top)
+        self._touch(top, node.last_access)  # holds out-of-window pages `node` had
         return top
 
     # ---- eviction -------------------------------------------------------------------------
@@ -671,10 +679,17 @@ class RadixCache:
             return node.n_slots  # window 1: a page-aligned end needs no key
         return max(0, lo // self.ps - node.start // self.ps)
 
+    def _touch(self, node: Node, stamp: int) -> None:
+        node.last_access = stamp
+        if self._touched is not None:
+            self._touched.add(node)
+
     def _evict_swa(self, goal: int, level: int = 0) -> None:
         """Drop SWA device pages nobody else holds, LRU node first.
 
-        level 0: outside each node's tail window (they become tombstones).
+        level 0: outside each node's tail window (they become tombstones). The nodes come
+                 from a queue kept across evictions (`LruQueue`, rebuilt when it runs dry),
+                 not from a sort of the whole tree on every call.
         level 1, last resort: inside the tail windows of internal nodes too, where no leaf
                  below reads them at its end (a leaf shorter than the window reaches up) or
                  where an offload copy keeps the slot present.
@@ -682,38 +697,75 @@ class RadixCache:
                  one are removed after (`_tidy`).
         A leaf's own tail window goes only with the leaf (`_evict_leaves`)."""
         if not self.swa:
-            return  # no SWA group: nothing to drop here (and no sort of every node)
+            return  # no SWA group: nothing to drop here (and no walk of every node)
+        if level == 0:
+            self._evict_swa_queued(goal)
+            return
         reach = self._leaf_reach() if level == 1 else {}
         for node in sorted(self.nodes, key=Node.lru_key):
             if self.evicted_pages >= goal:
                 break
-            if node.pins or node.num_dev == 0 or node not in self.nodes:
+            if node.pins or node.num_dev == 0 or node not in self.nodes or not node.children:
                 continue
-            if level and not node.children:
-                continue
-            for g in self.swa:
-                row = node.dev[g]
-                if level == 0:
-                    stop = self._tail(node, g)
-                elif level == 1:  # the slots whose keys all lie before every leaf window below
-                    stop = min(node.n_slots, max(0, (reach[node][g] - node.start) // self.ps))
-                else:
-                    stop = node.n_slots
-                for i in range(node.n_slots if level == 1 else stop):
-                    if row[i] == NULL or self.pool.refcount(row[i]) != 1:
-                        continue
-                    if i >= stop and not any(t[g][i] != NULL for t in node.off):
-                        continue
-                    self._drop_dev(node, g, i)
-                    if self.evicted_pages >= goal:
-                        break
-                if self.evicted_pages >= goal:
-                    break
-            if not node.children:
-                self._tidy(node)  # window 1 and no full group: a leaf may be left empty
+            self._drop_swa(node, goal, level, reach)
         if level == 2:
             for leaf in [n for n in self.nodes if not n.children]:
                 self._tidy(leaf)  # ends that read a dropped page go (or wait as suspects)
+
+    def _evict_swa_queued(self, goal: int) -> None:
+        """Level 0 of `_evict_swa` over the kept queue: a node leaves it once nothing it
+        holds outside its tail window can go; one cut short by `goal`, pinned, or with such
+        pages a request still holds goes back for the next eviction."""
+        q = self._swa_lru
+        built = False
+        retry: list[Node] = []
+        while self.evicted_pages < goal:
+            node = q.pop()
+            if node is None:
+                if built:
+                    break
+                # Every node once, then only those stamped since: a node left out has had
+                # its droppable pages dropped, or waits in the queue for a request to let go.
+                fresh = self.nodes if not self._swa_built else self._touched
+                q.build([n for n in fresh if n in self.nodes and n.num_dev > 0])
+                self._touched.clear()
+                self._swa_built = built = True
+                continue
+            if node not in self.nodes or node.num_dev == 0:
+                continue
+            if node.pins:
+                retry.append(node)
+                continue
+            if self._drop_swa(node, goal, 0, {}):
+                retry.append(node)
+            if not node.children:
+                self._tidy(node)  # window 1 and no full group: a leaf may be left empty
+        for node in retry:
+            if node in self.nodes:
+                q.push(node)
+
+    def _drop_swa(self, node: Node, goal: int, level: int, reach: dict[Node, list[int]]) -> bool:
+        """Drop the node's SWA device pages that `level` allows and nobody else holds, until
+        `goal`. True if some such page stayed: held by a request, or left for `goal`."""
+        left = False
+        for g in self.swa:
+            row = node.dev[g]
+            if level == 0:
+                stop = self._tail(node, g)
+            elif level == 1:  # the slots whose keys all lie before every leaf window below
+                stop = min(node.n_slots, max(0, (reach[node][g] - node.start) // self.ps))
+            else:
+                stop = node.n_slots
+            for i in range(node.n_slots if level == 1 else stop):
+                if row[i] == NULL:
+                    continue
+                if i >= stop and not any(t[g][i] != NULL for t in node.off):
+                    continue
+                if self.evicted_pages >= goal or self.pool.refcount(row[i]) != 1:
+                    left = True
+                    continue
+                self._drop_dev(node, g, i)
+        return left
 
     def _leaf_reach(self) -> dict[Node, list[int]]:
         """Per node and group: the first key some leaf at or below it reads at its end (the
@@ -734,47 +786,86 @@ class RadixCache:
             return False
         return all(p == NULL or self.pool.refcount(p) == 1 for row in node.dev for p in row)
 
+    def _leaf_candidates(self) -> list[Node]:
+        """Device leaves (device pages, none below them) whose last slot no request holds.
+
+        A leaf whose last slot a request still holds can give nothing (`_evictable` and
+        `_evict_tail` both refuse it): every running request's own leaf is one, so it is left
+        out rather than popped and dropped again on every admission that evicts."""
+        below: dict[Node, bool] = {}  # some node of n's subtree has device pages
+        out = []
+        for n in self._postorder():
+            child_dev = any(below[c] for c in n.children.values())
+            below[n] = n.num_dev > 0 or child_dev
+            if n.num_dev > 0 and not child_dev and not self._held_to_end(n):
+                out.append(n)
+        return out
+
+    def _dev_below(self, node: Node, memo: dict[Node, bool]) -> bool:
+        """Some node of `node`'s subtree has device pages. `memo` holds this eviction's
+        answers: evictions only turn them false, and `_evict_leaves` forgets the ones on the
+        path of each node it evicts. A walk, not recursion: a chain of split nodes is deep."""
+        known = memo.get(node)
+        if known is not None:
+            return known
+        stack, found = [node], False
+        while stack:
+            n = stack.pop()
+            m = memo.get(n)
+            if m is False:
+                continue
+            if m or n.num_dev > 0:
+                found = True
+                break
+            stack.extend(n.children.values())
+        memo[node] = found
+        return found
+
     def _evict_leaves(self, goal: int) -> bool:
-        """One pass over the device leaves of now, LRU first. True if it evicted any."""
-        # below[n]: some node of n's subtree has device pages.
-        below: dict[Node, bool] = {}
-        order = self._postorder()
-        for n in order:
-            below[n] = n.num_dev > 0 or any(below[c] for c in n.children.values())
-        # A leaf whose last slot a request still holds can give nothing (`_evictable` and
-        # `_evict_tail` both refuse it): every running request's own leaf is one, so it is
-        # left out here rather than pushed and popped on every admission that evicts.
-        heap = [
-            (n.lru_key(), n)
-            for n in order
-            if n.num_dev > 0
-            and not any(below[c] for c in n.children.values())
-            and not self._held_to_end(n)
-        ]
-        heapq.heapify(heap)
+        """Device leaves, LRU first, from the queue kept across evictions (`LruQueue`: built
+        from the whole tree only when it has run dry, at most once a call). True if it
+        evicted any."""
+        q = self._lru
+        built = False
+        memo: dict[Node, bool] = {}
+        retry: list[Node] = []  # pinned or busy now: candidates again next time
         progress = False
-        while heap and self.evicted_pages < goal:
-            _, node = heapq.heappop(heap)
+        while self.evicted_pages < goal:
+            node = q.pop()
+            if node is None:
+                if built:
+                    break
+                q.build(self._leaf_candidates())
+                built = True
+                continue
             if node not in self.nodes or node.num_dev == 0:
                 continue
+            if any(self._dev_below(c, memo) for c in node.children.values()):
+                continue  # no longer a leaf (a node stamped on the way would be stale)
             if not self._evictable(node):
-                progress |= self._evict_tail(node, goal)
+                if self._evict_tail(node, goal):
+                    progress = True
+                elif node.pins or node in self._busy:
+                    retry.append(node)
                 continue
             parent = node.parent
             self._evict_node(node)
             progress = True
-            below[node] = False
+            memo[node] = False
             a = parent
             while a is not self.root and a not in self.nodes:
                 a = a.parent  # removed by _tidy along with the node: its parent still links up
             while a is not self.root:
-                if any(below.get(c, False) for c in a.children.values()):
+                memo.pop(a, None)  # it may have lost its last device pages below
+                if any(self._dev_below(c, memo) for c in a.children.values()):
                     break
                 if a.num_dev > 0:
-                    heapq.heappush(heap, (a.lru_key(), a))
+                    q.push(a)  # a device leaf now
                     break
-                below[a] = False
+                memo[a] = False
                 a = a.parent
+        for node in retry:
+            q.push(node)
         return progress
 
     def _slot_held(self, node: Node, i: int) -> bool:
