@@ -240,6 +240,7 @@ class RadixCache:
         # node can have gained droppable pages since, so a rebuild takes these alone.
         self._touched: set[Node] | None = set() if self.swa else None
         self._swa_built = False
+        self._tier_lru: list[LruQueue[Node]] = [LruQueue() for _ in self.tiers]  # _make_room
         self._inserted: dict[str, int] = {}  # request -> tokens of it already inserted
         self._suspects: set[Node] = set()  # leaves with an unusable end, kept while in use
         self._step_pins: list[Node] = []  # copy-on-write sources, until move_pages
@@ -639,6 +640,9 @@ class RadixCache:
         node.parent = top
         self.nodes.add(top)
         self._touch(top, node.last_access)  # holds out-of-window pages `node` had
+        for t, q in enumerate(self._tier_lru):
+            if top.num_off[t]:
+                q.push(top)  # and copies `node` had in the tiers
         return top
 
     # ---- eviction -------------------------------------------------------------------------
@@ -950,37 +954,50 @@ class RadixCache:
 
     def _make_room(self, t: int, n: int) -> bool:
         """Free n pages of offload tier t: drop redundant copies, demote to tier t + 1, remove
-        leaves living only in the offload tiers; least recently used first."""
+        leaves living only in the offload tiers; least recently used first. The nodes come
+        from the tier's queue (`LruQueue`: a node is pushed when it gets its first copy
+        there, all of them again when the queue runs dry), not from a sort of the tree on
+        every store."""
         pool = self.tiers[t]
-        progress = True
-        while pool.num_free < n and progress:
-            progress = False
-            for node in sorted(self.nodes, key=Node.lru_key):
-                if pool.num_free >= n:
+        q = self._tier_lru[t]
+        built = False
+        retry: list[Node] = []  # pinned, busy or loading now: candidates again next time
+        while pool.num_free < n:
+            node = q.pop()
+            if node is None:
+                if built:
                     break
-                if node not in self.nodes or node.num_off[t] == 0 or node.pins:
-                    continue
-                if node in self._busy or self._loading(node):
-                    continue
-                before = pool.num_free
-                for g in range(len(self.groups)):
-                    for i in range(node.n_slots):
-                        h = node.off[t][g][i]
-                        deeper = any(x[g][i] != NULL for x in node.off[t + 1 :])
-                        if h != NULL and (node.dev[g][i] != NULL or deeper):
-                            self._set_off(node, t, g, i, NULL)
-                            pool.free([h])
-                if node.num_off[t] and t + 1 < len(self.tiers):
-                    self._busy.add(node)
-                    try:
-                        self._demote(node, t)
-                    finally:
-                        self._busy.discard(node)
-                if node.num_off[t] and node.num_dev == 0 and not node.children:
-                    parent = node.parent
-                    self._remove_node(node)
-                    self._tidy(parent)
-                progress |= pool.num_free > before
+                q.build([x for x in self.nodes if x.num_off[t]])
+                built = True
+                continue
+            if node not in self.nodes or node.num_off[t] == 0:
+                continue
+            if node.pins or node in self._busy or self._loading(node):
+                retry.append(node)
+                continue
+            for g in range(len(self.groups)):
+                for i in range(node.n_slots):
+                    h = node.off[t][g][i]
+                    deeper = any(x[g][i] != NULL for x in node.off[t + 1 :])
+                    if h != NULL and (node.dev[g][i] != NULL or deeper):
+                        self._set_off(node, t, g, i, NULL)
+                        pool.free([h])
+            if node.num_off[t] and t + 1 < len(self.tiers):
+                self._busy.add(node)
+                try:
+                    self._demote(node, t)
+                finally:
+                    self._busy.discard(node)
+            if node.num_off[t] and node.num_dev == 0 and not node.children:
+                parent = node.parent
+                self._remove_node(node)
+                self._tidy(parent)
+                if parent in self.nodes and parent.num_off[t]:
+                    q.push(parent)  # a leaf living in the tiers now, perhaps
+            # A node that keeps copies here is an internal one (or its demotion found no
+            # room): it comes back when a child's removal pushes it, or at the next build.
+        for node in retry:
+            q.push(node)
         return pool.num_free >= n
 
     def _loading(self, node: Node) -> bool:
@@ -1112,6 +1129,8 @@ class RadixCache:
         old = node.off[t][g][i]
         node.off[t][g][i] = page
         node.num_off[t] += (page != NULL) - (old != NULL)
+        if page != NULL and old == NULL and node.num_off[t] == 1:
+            self._tier_lru[t].push(node)  # its first copy in tier t: a candidate there
 
     def _postorder(self, top: Node | None = None) -> list[Node]:
         """Nodes below `top` (default: all), children before parents; `top` included."""

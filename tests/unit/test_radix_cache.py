@@ -806,3 +806,28 @@ def test_evictions_go_in_lru_order_from_one_walk_of_the_tree(windows, monkeypatc
     # walk per eviction would have looked at ~20 nodes 20 times
     assert walks["swa"] <= (2 * len(prompts) if windows[0] else 0)
     assert not sim.cache.nodes and sim.memory.pool.num_free == sim.memory.pool.capacity
+
+
+def test_a_full_host_tier_makes_room_in_lru_order_without_sorting_the_tree(monkeypatch):
+    """With the host tier full, every leaf stored there made room by sorting every node of
+    the tree (stop 29: a third of a CPU run through a full two-tier cache). The tier now
+    keeps its own queue: what stays cached is the most recent prompts, on device then host."""
+    sim = Sim([None], page_size=4, num_pages=40, host_pages=24)
+    seen = {"nodes": 0}
+    build = sim.cache._tier_lru[0].build
+
+    def count(nodes):
+        nodes = list(nodes)
+        seen["nodes"] += len(nodes)
+        return build(nodes)
+
+    monkeypatch.setattr(sim.cache._tier_lru[0], "build", count)
+    prompts = [[1000 * k + i for i in range(13)] for k in range(1, 41)]  # 3 full pages each
+    for p in prompts:
+        sim.finish(run_to_end(sim, p))
+    kids = sim.cache.root.children
+    cached = [k for k, p in enumerate(prompts) if tuple(p[:4]) in kids]
+    on_host = [k for k in cached if kids[tuple(prompts[k][:4])].num_dev == 0]
+    assert on_host and cached == list(range(cached[0], len(prompts)))  # the newest survive
+    assert on_host == list(range(cached[0], cached[0] + len(on_host)))  # older ones on host
+    assert seen["nodes"] <= 2 * len(prompts)  # a sort per store: ~20 nodes, ~60 times
