@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
 
@@ -53,6 +53,12 @@ class LruQueue(Generic[N]):
             if node.lru_key() == key:
                 return node
         return None
+
+    def prune(self, keep: Callable[[N], bool]) -> None:
+        """Drop the stale entries and those whose node `keep` refuses (a queue pushed to more
+        often than it is popped, so that dead nodes do not pile up in it)."""
+        self._heap = [e for e in self._heap if e[2].lru_key() == e[0] and keep(e[2])]
+        heapq.heapify(self._heap)
 
     def clear(self) -> None:
         self._heap = []

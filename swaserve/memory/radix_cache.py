@@ -1051,6 +1051,8 @@ class RadixCache:
         _drop_child(node.parent, node, self.ps)
         self.nodes.discard(node)
         self._suspects.discard(node)
+        if self._touched is not None:
+            self._touched.discard(node)
         return freed
 
     def _tidy(self, node: Node) -> int:
@@ -1130,7 +1132,10 @@ class RadixCache:
         node.off[t][g][i] = page
         node.num_off[t] += (page != NULL) - (old != NULL)
         if page != NULL and old == NULL and node.num_off[t] == 1:
-            self._tier_lru[t].push(node)  # its first copy in tier t: a candidate there
+            q = self._tier_lru[t]
+            q.push(node)  # its first copy in tier t: a candidate there
+            if len(q) > 2 * len(self.nodes) + 64:  # pushed far more often than popped
+                q.prune(lambda n: n in self.nodes and n.num_off[t] > 0)
 
     def _postorder(self, top: Node | None = None) -> list[Node]:
         """Nodes below `top` (default: all), children before parents; `top` included."""
