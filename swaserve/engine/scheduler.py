@@ -138,12 +138,14 @@ class Scheduler:
         budget = self.budget
         held = False  # a request waits for its prefix's loads
         decoding = self._decode_picks()
+        # Asked per request only while some hit's loads are pending (none: most steps)
+        loads = self.cache is not None and self.cache.has_pending_loads()
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if self._loading(req):
+            if loads and self._loading(req):
                 held = True
                 continue
             if decoding is not None and _decoding(req) and id(req) not in decoding:

@@ -210,7 +210,8 @@ class MemoryManager:
         c, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
         if (st is not None and 0 <= num_new_tokens and c <= st.num_tokens
                 and end <= len(st.tables[0]) * self.page_size
-                and all(self._dead_slots(c, w) <= st.first_live[g] for g, w in self._swa)):
+                and (not self._swa
+                     or all(self._dead_slots(c, w) <= st.first_live[g] for g, w in self._swa))):
             # Within the pages it has (most decode steps: 15 of 16 with 16-token pages) and
             # no window retirement due: nothing to take from the pool.
             st.num_tokens = max(st.num_tokens, end)

@@ -460,6 +460,10 @@ class RadixCache:
         self.mover.synchronize()
         return self._reap()
 
+    def has_pending_loads(self) -> bool:
+        """Some request's hit waits for loads (`loads_pending` can be true for someone)."""
+        return bool(self._waits)
+
     def loads_pending(self, request_id: str) -> bool:
         """True while a load the request's hit needs has not landed: keep it out of the
         forward. The scheduler asks once per request and step; each true counts a held step

@@ -265,6 +265,8 @@ def test_request_held_for_loads_runs_later_with_same_output(tiny_gemma):
         return real(rid)
 
     cache.loads_pending = forced
+    # the scheduler asks per request only while some load is pending (has_pending_loads)
+    cache.has_pending_loads = lambda: True
     try:
         for first, batch_prompts in ((0, prompts[:1]), (1, prompts[1:])):  # alone, with another
             holds.clear()
@@ -286,6 +288,7 @@ def test_request_held_for_loads_runs_later_with_same_output(tiny_gemma):
             assert not engine.core.has_unfinished()
     finally:
         cache.loads_pending = real
+        del cache.has_pending_loads
 
 
 @pytest.mark.parametrize("lag", [1, 3])
