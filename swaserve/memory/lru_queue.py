@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 
@@ -60,5 +60,17 @@ class LruQueue(Generic[N]):
         self._heap = [e for e in self._heap if e[2].lru_key() == e[0] and keep(e[2])]
         heapq.heapify(self._heap)
 
-    def clear(self) -> None:
-        self._heap = []
+    def drain(self, candidates: Callable[[], Iterable[N]], done: Callable[[], bool]) -> Iterator[N]:
+        """Pop nodes, least recently used first, until `done()`. A queue that runs dry is
+        rebuilt once from `candidates()` (the tree's candidates now): at most one walk of the
+        tree per drain. Pushes while draining are popped in their turn."""
+        built = False
+        while not done():
+            node = self.pop()
+            if node is None:
+                if built:
+                    return
+                self.build(candidates())
+                built = True
+                continue
+            yield node

@@ -725,20 +725,8 @@ class RadixCache:
         holds outside its tail window can go; one cut short by `goal`, pinned, or with such
         pages a request still holds goes back for the next eviction."""
         q = self._swa_lru
-        built = False
         retry: list[Node] = []
-        while self.evicted_pages < goal:
-            node = q.pop()
-            if node is None:
-                if built:
-                    break
-                # Every node once, then only those stamped since: a node left out has had
-                # its droppable pages dropped, or waits in the queue for a request to let go.
-                fresh = self.nodes if not self._swa_built else self._touched
-                q.build([n for n in fresh if n in self.nodes and n.num_dev > 0])
-                self._touched.clear()
-                self._swa_built = built = True
-                continue
+        for node in q.drain(self._swa_candidates, lambda: self.evicted_pages >= goal):
             if node not in self.nodes or node.num_dev == 0:
                 continue
             if node.pins:
@@ -751,6 +739,16 @@ class RadixCache:
         for node in retry:
             if node in self.nodes:
                 q.push(node)
+
+    def _swa_candidates(self) -> list[Node]:
+        """The SWA queue's nodes: every node once, then only those stamped since (a node left
+        out has had its droppable pages dropped, or waits in the queue for a request to let
+        go)."""
+        fresh = self._touched if self._swa_built else self.nodes
+        out = [n for n in fresh if n in self.nodes and n.num_dev > 0]
+        self._touched.clear()
+        self._swa_built = True
+        return out
 
     def _drop_swa(self, node: Node, goal: int, level: int, reach: dict[Node, list[int]]) -> bool:
         """Drop the node's SWA device pages that `level` allows and nobody else holds, until
@@ -834,18 +832,10 @@ class RadixCache:
         from the whole tree only when it has run dry, at most once a call). True if it
         evicted any."""
         q = self._lru
-        built = False
         memo: dict[Node, bool] = {}
         retry: list[Node] = []  # pinned or busy now: candidates again next time
         progress = False
-        while self.evicted_pages < goal:
-            node = q.pop()
-            if node is None:
-                if built:
-                    break
-                q.build(self._leaf_candidates())
-                built = True
-                continue
+        for node in q.drain(self._leaf_candidates, lambda: self.evicted_pages >= goal):
             if node not in self.nodes or node.num_dev == 0:
                 continue
             if any(self._dev_below(c, memo) for c in node.children.values()):
@@ -964,16 +954,12 @@ class RadixCache:
         every store."""
         pool = self.tiers[t]
         q = self._tier_lru[t]
-        built = False
         retry: list[Node] = []  # pinned, busy or loading now: candidates again next time
-        while pool.num_free < n:
-            node = q.pop()
-            if node is None:
-                if built:
-                    break
-                q.build([x for x in self.nodes if x.num_off[t]])
-                built = True
-                continue
+
+        def in_tier() -> list[Node]:
+            return [x for x in self.nodes if x.num_off[t]]
+
+        for node in q.drain(in_tier, lambda: pool.num_free >= n):
             if node not in self.nodes or node.num_off[t] == 0:
                 continue
             if node.pins or node in self._busy or self._loading(node):
