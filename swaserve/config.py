@@ -59,6 +59,8 @@ class EngineConfig:
     # Admission's reserve for running requests' decode growth (engine/scheduler.py): 0 admits
     # eagerly and preempts when short, 1 keeps their expected output's pages free.
     schedule_conservativeness: float = 1.0
+    # Offline generate()/chat(): the order a batch's requests queue in (engine/engine.py).
+    offline_order: str = "longest_first"  # longest_first | arrival
     max_logprobs: int = 20
     # Speculative decoding (docs/architecture.md §8): off unless an algorithm is named.
     speculative_algorithm: str | None = None  # ngram | dflash
@@ -411,6 +413,12 @@ FLAGS: dict[str, FlagInfo] = {
         "scheduling",
         "share of running requests' expected output kept free at admission: 0 admits eagerly "
         "and preempts (recompute) when short, 1 avoids most preemptions",
+    ),
+    "offline_order": FlagInfo(
+        "scheduling",
+        "offline generate()/chat(): queue a batch's requests longest max_tokens first (the "
+        "batch ends sooner: no long request starts late) or in the order given",
+        ("longest_first", "arrival"),
     ),
     "disable_overlap_schedule": FlagInfo(
         "scheduling", "read each step's tokens back before scheduling the next: no CPU/GPU overlap"

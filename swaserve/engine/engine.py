@@ -132,11 +132,7 @@ class Engine:
             ids = [list(p) for p in prompt_token_ids]
             texts = [None] * len(ids)
         params = self._params_list(sampling_params, len(ids))
-        # Validate everything before adding anything: a bad prompt fails alone and early.
-        for tok, p in zip(ids, params):
-            self.core.resolve_max_tokens(len(tok), p)
-        rids = [self._add(t, tok, p) for t, tok, p in zip(texts, ids, params)]
-        return self._run(rids, use_tqdm)
+        return self._run(self._add_batch(texts, ids, params), use_tqdm)
 
     def chat(
         self,
@@ -155,10 +151,7 @@ class Engine:
         # The template already holds the special tokens: encode without adding BOS again.
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         params = self._params_list(sampling_params, len(ids))
-        for tok, p in zip(ids, params):
-            self.core.resolve_max_tokens(len(tok), p)
-        rids = [self._add(t, tok, p) for t, tok, p in zip(prompts, ids, params)]
-        return self._run(rids, use_tqdm)
+        return self._run(self._add_batch(prompts, ids, params), use_tqdm)
 
     def apply_chat_template(
         self, messages: list[dict], chat_template: str | None = None, add_generation_prompt=True
@@ -201,6 +194,26 @@ class Engine:
         if len(sp) != n:
             raise ValueError(f"{len(sp)} sampling_params for {n} prompts")
         return list(sp)
+
+    def _add_batch(
+        self, texts: list, ids: list[list[int]], params: list[SamplingParams]
+    ) -> list[str]:
+        """Queue a batch; returns its request ids in the order given.
+
+        Validates everything before adding anything: a bad prompt fails alone and early.
+        With `offline_order` longest_first the requests queue by max_tokens, longest first
+        (stable: equal ones keep their order). A batch returns when its last request ends,
+        and when more requests wait than fit, the order given can start a long one late and
+        leave it decoding alone at the end, a step's weights read for one row (SGLang's
+        `lof` policy; the classic longest-processing-time-first rule for a makespan)."""
+        max_tokens = [self.core.resolve_max_tokens(len(t), p) for t, p in zip(ids, params)]
+        order = list(range(len(ids)))
+        if self.config.offline_order == "longest_first":
+            order.sort(key=lambda i: -max_tokens[i])
+        rids: list[str] = [""] * len(ids)
+        for i in order:
+            rids[i] = self._add(texts[i], ids[i], params[i])
+        return rids
 
     def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
         rid = str(next(self._ids))

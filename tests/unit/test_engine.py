@@ -3,6 +3,7 @@ batches, stop conditions, logprobs, bad input, and the memory benchmark CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -71,6 +72,31 @@ def test_n_and_seeds(gemma_engine):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     again = gemma_engine.generate(["Colors of the rainbow:"], p)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_offline_batch_queues_longest_first_and_returns_in_order_given(smollm_engine):
+    """offline_order longest_first queues a batch by max_tokens, longest first (request ids
+    count up in queue order), and arrival keeps the order given; outputs come back in the
+    order given with the same greedy tokens either way."""
+    prompts = ["One, two,", "Red, green,", "Monday, Tuesday,", "North, south,"]
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in (2, 6, 2, 4)]
+    sched, config = smollm_engine.core.scheduler, smollm_engine.config
+    seqs, sched.max_num_seqs = sched.max_num_seqs, 1  # one at a time: queue order is run order
+    try:
+        longest = smollm_engine.generate(prompts, params)
+        smollm_engine.config = dataclasses.replace(config, offline_order="arrival")
+        arrival = smollm_engine.generate(prompts, params)
+    finally:
+        sched.max_num_seqs, smollm_engine.config = seqs, config
+
+    def queue_order(outs):
+        return sorted(range(len(outs)), key=lambda i: int(outs[i].request_id))
+
+    assert queue_order(longest) == [1, 3, 0, 2]  # 6, 4, then the two 2s in the order given
+    assert queue_order(arrival) == [0, 1, 2, 3]
+    assert [len(o.token_ids) for o in longest] == [2, 6, 2, 4]
+    assert [o.token_ids for o in longest] == [o.token_ids for o in arrival]
+    assert [o.prompt for o in longest] == prompts
 
 
 def test_stop_conditions(smollm_engine):
