@@ -97,6 +97,13 @@ class _Swaserve:
             kwargs.update(kv_cache_dtype="fp8_e4m3", kv_cache_scale=1.0)
         self.engine = Engine(**kwargs, **(extra or {}))
 
+    def kv_tokens(self) -> int | None:
+        """Tokens the KV pool holds, for a model whose layers form one group (a hybrid
+        model's windows make it depend on the requests: None)."""
+        stats = self.engine.memory_stats()
+        one = len(stats["groups"]) == 1
+        return stats["pages_total"] * stats["page_size"] if one else None
+
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
         from swaserve import SamplingParams
 
@@ -129,6 +136,13 @@ class _Vllm:
         if fp8:
             kwargs["kv_cache_dtype"] = "fp8"
         self.llm = LLM(**kwargs)
+
+    def kv_tokens(self) -> int | None:
+        """vLLM's KV blocks x block size, where its front end knows them (its log says "GPU KV
+        cache size: N tokens" either way)."""
+        cache = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "cache_config", None)
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return blocks * cache.block_size if blocks else None
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
         from vllm import SamplingParams
@@ -194,6 +208,7 @@ def run_side(name: str, engine: str, passes: int = 1) -> dict:
     if isinstance(eng, _Swaserve) and hasattr(eng.engine, "core"):
         sched = eng.engine.core.scheduler
         row.update(preemptions=sched.num_preemptions)
+    row["kv_tokens"] = eng.kv_tokens()
     row.update(elapsed_s=round(dt, 2), output_tok_per_s=round(got / dt, 1),
                total_tok_per_s=round((got + n_prompt) / dt, 1), requests=len(reqs))
     return row
