@@ -120,6 +120,7 @@ class Node:
         "last_access",
         "pins",
         "num_dev",
+        "dev_kids",
         "num_off",
         "serial",
     )
@@ -145,6 +146,9 @@ class Node:
         self.last_access = 0
         self.pins = 0
         self.num_dev = 0  # non-NULL entries of dev
+        # children whose subtree holds a device page: a device leaf is num_dev > 0 and
+        # dev_kids == 0 (kept by RadixCache._set_dev and _split)
+        self.dev_kids = 0
         self.num_off = [0] * num_tiers  # non-NULL entries of off[t]
         self.serial = next(_serials)  # ties of last_access: oldest node first (deterministic)
 
@@ -250,6 +254,9 @@ class RadixCache:
         self._waits: dict[str, int] = {}  # request -> flush its hit needs landed
         # Counters (memory_stats): device pages held, tokens looked up / reused, pages moved.
         self.num_dev = 0
+        # the nodes with num_dev > 0: the device-leaf queue's rebuild looks at these only,
+        # not at every node (a host tier keeps many nodes with no device page)
+        self._dev_nodes: set[Node] = set()
         self.query_tokens = 0
         self.hit_tokens = 0
         self.num_hits = 0
@@ -639,6 +646,12 @@ class RadixCache:
         for n in (top, node):
             n.num_dev = sum(p != NULL for row in n.dev for p in row)
             n.num_off = [sum(p != NULL for row in t for p in row) for t in n.off]
+            if n.num_dev:
+                self._dev_nodes.add(n)
+            else:
+                self._dev_nodes.discard(n)
+        # `top` holds a device page below it iff the old node did: the parent's count stands
+        top.dev_kids = int(node.num_dev > 0 or node.dev_kids > 0)
         parent.children[tuple(top.key[:ps])] = top  # same first page as `node`: same key
         _add_child(top, node, ps)
         node.parent = top
@@ -798,47 +811,19 @@ class RadixCache:
         A leaf whose last slot a request still holds can give nothing (`_evictable` and
         `_evict_tail` both refuse it): every running request's own leaf is one, so it is left
         out rather than popped and dropped again on every admission that evicts."""
-        below: dict[Node, bool] = {}  # some node of n's subtree has device pages
-        out = []
-        for n in self._postorder():
-            child_dev = any(below[c] for c in n.children.values())
-            below[n] = n.num_dev > 0 or child_dev
-            if n.num_dev > 0 and not child_dev and not self._held_to_end(n):
-                out.append(n)
-        return out
-
-    def _dev_below(self, node: Node, memo: dict[Node, bool]) -> bool:
-        """Some node of `node`'s subtree has device pages. `memo` holds this eviction's
-        answers: evictions only turn them false, and `_evict_leaves` forgets the ones on the
-        path of each node it evicts. A walk, not recursion: a chain of split nodes is deep."""
-        known = memo.get(node)
-        if known is not None:
-            return known
-        stack, found = [node], False
-        while stack:
-            n = stack.pop()
-            m = memo.get(n)
-            if m is False:
-                continue
-            if m or n.num_dev > 0:
-                found = True
-                break
-            stack.extend(n.children.values())
-        memo[node] = found
-        return found
+        return [n for n in self._dev_nodes if not n.dev_kids and not self._held_to_end(n)]
 
     def _evict_leaves(self, goal: int) -> bool:
         """Device leaves, LRU first, from the queue kept across evictions (`LruQueue`: built
-        from the whole tree only when it has run dry, at most once a call). True if it
-        evicted any."""
+        from the nodes with device pages only when it has run dry, at most once a call). True
+        if it evicted any."""
         q = self._lru
-        memo: dict[Node, bool] = {}
         retry: list[Node] = []  # pinned or busy now: candidates again next time
         progress = False
         for node in q.drain(self._leaf_candidates, lambda: self.evicted_pages >= goal):
             if node not in self.nodes or node.num_dev == 0:
                 continue
-            if any(self._dev_below(c, memo) for c in node.children.values()):
+            if node.dev_kids:
                 continue  # no longer a leaf (a node stamped on the way would be stale)
             if not self._evictable(node):
                 if self._evict_tail(node, goal):
@@ -849,18 +834,13 @@ class RadixCache:
             parent = node.parent
             self._evict_node(node)
             progress = True
-            memo[node] = False
             a = parent
             while a is not self.root and a not in self.nodes:
                 a = a.parent  # removed by _tidy along with the node: its parent still links up
-            while a is not self.root:
-                memo.pop(a, None)  # it may have lost its last device pages below
-                if any(self._dev_below(c, memo) for c in a.children.values()):
-                    break
+            while a is not self.root and not a.dev_kids:  # the first with device pages above
                 if a.num_dev > 0:
                     q.push(a)  # a device leaf now
                     break
-                memo[a] = False
                 a = a.parent
         for node in retry:
             q.push(node)
@@ -1106,8 +1086,30 @@ class RadixCache:
         old = node.dev[g][i]
         node.dev[g][i] = page
         delta = (page != NULL) - (old != NULL)
+        if not delta:
+            return
         node.num_dev += delta
         self.num_dev += delta
+        if node.num_dev == (delta > 0):  # 0 -> 1 or 1 -> 0: the node gained or lost its last
+            if delta > 0:
+                self._dev_nodes.add(node)
+            else:
+                self._dev_nodes.discard(node)
+            if not node.dev_kids:  # and with it its subtree: tell the ancestors
+                self._dev_flip(node, delta > 0)
+
+    @staticmethod
+    def _dev_flip(node: Node, on: bool) -> None:
+        """`node`'s subtree went from no device page to some (`on`) or back: count it in its
+        parent's dev_kids, and so on up while an ancestor's own answer flips too."""
+        step = 1 if on else -1
+        while node.parent is not None:
+            parent = node.parent
+            was = parent.num_dev > 0 or parent.dev_kids > 0
+            parent.dev_kids += step
+            if was == (parent.num_dev > 0 or parent.dev_kids > 0):
+                return
+            node = parent
 
     def _drop_dev(self, node: Node, g: int, i: int) -> int:
         """Drop the tree's reference to a device page; returns 1 if the page became free."""
@@ -1202,6 +1204,9 @@ class RadixCache:
                     if self.windows[g] is None:
                         assert self._present(n, g, i), f"{where}: full slot {i} lost"
             assert nd == n.num_dev, f"{where}: num_dev {n.num_dev} counted {nd}"
+            assert (n in self._dev_nodes) == (nd > 0), f"{where}: device-node set"
+            kids = sum(c.num_dev > 0 or c.dev_kids > 0 for c in n.children.values())
+            assert kids == n.dev_kids, f"{where}: dev_kids {n.dev_kids} counted {kids}"
             num_dev += nd
             for t, tier in enumerate(n.off):
                 cnt = 0
@@ -1222,6 +1227,9 @@ class RadixCache:
                     f"{where}: a leaf whose end cannot be reused, not a suspect"
                 )
         assert num_dev == self.num_dev, "device page count drifted"
+        assert len(self._dev_nodes) == sum(n.num_dev > 0 for n in seen), "device-node set"
+        root_kids = sum(c.num_dev > 0 or c.dev_kids > 0 for c in self.root.children.values())
+        assert root_kids == self.root.dev_kids, "root: dev_kids"
         assert pins == self._num_pins, "pins drifted"
         for t, tier in enumerate(self.tiers):
             tier.check_integrity()

@@ -808,6 +808,53 @@ def test_evictions_go_in_lru_order_from_one_walk_of_the_tree(windows, monkeypatc
     assert not sim.cache.nodes and sim.memory.pool.num_free == sim.memory.pool.capacity
 
 
+def test_a_short_eviction_looks_at_device_nodes_only(monkeypatch):
+    """An eviction that cannot reach its goal runs the device-leaf queue dry, and its rebuild
+    walked every node: with a host tier keeping thousands of nodes, each step that asked paid a
+    walk of the tree (stop 30, benchmarks/cache_pressure.py: 3.7 ms a short eviction at 1.3k
+    nodes, 15.6 ms at 4.3k). The rebuild takes the nodes with device pages now (each node
+    counts its children with device pages below), and still finds every device leaf."""
+    sim = Sim([None], page_size=4, num_pages=40, host_pages=400)
+    prompts = [[1000 * k + i for i in range(13)] for k in range(1, 61)]  # 3 full pages each
+    for p in prompts:
+        sim.finish(run_to_end(sim, p))
+    running = run_to_end(sim, [7] * 13)  # its pages cannot go
+    cache = sim.cache
+    on_device = [n for n in cache.nodes if n.num_dev]
+    assert len(cache.nodes) == 61 and 0 < len(on_device) < 15  # most prompts live on host
+    walks, looked, inside = [], [], []
+    postorder, candidates, evict = cache._postorder, cache._leaf_candidates, cache.evict
+
+    def count_walk(top=None):
+        if inside:  # not the integrity checks' walks
+            walks.append(top)
+        return postorder(top)
+
+    def evict_marked(n, swa_only=False):
+        inside.append(True)
+        try:
+            return evict(n, swa_only)
+        finally:
+            inside.clear()
+
+    def count_candidates():
+        found = candidates()
+        looked.append(len(found))
+        return found
+
+    monkeypatch.setattr(cache, "_postorder", count_walk)
+    monkeypatch.setattr(cache, "_leaf_candidates", count_candidates)
+    monkeypatch.setattr(cache, "evict", evict_marked)
+    for _ in range(3):
+        sim.evict(10_000)  # short: everything that can go goes, on the first call
+        sim.check()
+    assert None not in walks  # no walk of the whole tree
+    assert looked and max(looked) <= len(on_device)
+    assert [n for n in cache.nodes if n.num_dev] == [cache.root.children[(7,) * 4]]
+    assert cache.root.children[(7,) * 4].num_dev == 3  # the running request's pages stay
+    sim.finish(running)
+
+
 def test_a_full_host_tier_makes_room_in_lru_order_without_sorting_the_tree(monkeypatch):
     """With the host tier full, every leaf stored there made room by sorting every node of
     the tree (stop 29: a third of a CPU run through a full two-tier cache). The tier now
