@@ -9,8 +9,11 @@ Per 1,000 finished requests it prints the wall time, the time inside `RadixCache
 calls, the calls that fell short, and the tree's size: an eviction's cost should not grow with
 the tree.
 
+`--sliding-window W` makes it two layers, one sliding (window W) and one full, as Gemma mixes
+them: then a short eviction also runs the SWA last resorts (levels 1 and 2 of `_evict_swa`).
+
 Usage: python benchmarks/cache_pressure.py [--requests 5000] [--kv-cache-gb 0.008]
-           [--host-cache-gb 0.5] [--max-num-seqs 512]
+           [--host-cache-gb 0.5] [--max-num-seqs 512] [--sliding-window 32]
 """
 
 from __future__ import annotations
@@ -41,10 +44,15 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=0.008)
     ap.add_argument("--host-cache-gb", type=float, default=0.5)
     ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--sliding-window", type=int, default=0, metavar="W")
     args = ap.parse_args()
+    config = dict(MICRO)
+    if args.sliding_window:
+        config.update(num_hidden_layers=2, sliding_window=args.sliding_window,
+                      layer_types=["sliding_attention", "full_attention"])
     folder = Path(tempfile.mkdtemp()) / "micro"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(MICRO))
+    (folder / "config.json").write_text(json.dumps(config))
     eng = Engine(model=str(folder), load_format="dummy", device="cpu", seed=0,
                  max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
                  max_model_len=1024, host_cache_gb=args.host_cache_gb)

@@ -86,7 +86,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -722,16 +722,27 @@ class RadixCache:
         if level == 0:
             self._evict_swa_queued(goal)
             return
-        reach = self._leaf_reach() if level == 1 else {}
-        for node in sorted(self.nodes, key=Node.lru_key):
+        # Internal nodes with device pages, not every node: an eviction that falls short runs
+        # these last resorts each time, and a host tier keeps thousands of host-only nodes.
+        nodes = sorted((n for n in self._dev_nodes if n.children), key=Node.lru_key)
+        reach = self._leaf_reach(nodes) if level == 1 else {}
+        dropped: list[Node] = []
+        for node in nodes:
             if self.evicted_pages >= goal:
                 break
             if node.pins or node.num_dev == 0 or node not in self.nodes or not node.children:
                 continue
+            before = self.evicted_pages
             self._drop_swa(node, goal, level, reach)
+            if self.evicted_pages > before:
+                dropped.append(node)
         if level == 2:
-            for leaf in [n for n in self.nodes if not n.children]:
-                self._tidy(leaf)  # ends that read a dropped page go (or wait as suspects)
+            # The ends that read a dropped page lie below the node that had it: they go (or
+            # wait as suspects). Every other leaf's end was valid or a suspect already.
+            for top in dropped:
+                if top in self.nodes:
+                    for leaf in [n for n in self._postorder(top) if not n.children]:
+                        self._tidy(leaf)
 
     def _evict_swa_queued(self, goal: int) -> None:
         """Level 0 of `_evict_swa` over the kept queue: a node leaves it once nothing it
@@ -786,18 +797,28 @@ class RadixCache:
                 self._drop_dev(node, g, i)
         return left
 
-    def _leaf_reach(self) -> dict[Node, list[int]]:
-        """Per node and group: the first key some leaf at or below it reads at its end (the
-        smallest lo_g(leaf end)); large for full groups, which never drop pages here."""
+    def _leaf_reach(self, tops: Iterable[Node]) -> dict[Node, list[int]]:
+        """Per node at or below `tops`, per group: the first key some leaf at or below it
+        reads at its end (the smallest lo_g(leaf end)); large for full groups, which never
+        drop pages here. Each subtree is walked once, children before parents."""
         reach: dict[Node, list[int]] = {}
-        for n in self._postorder():
-            if n.children:
-                kids = [reach[c] for c in n.children.values()]
-                reach[n] = [min(k[g] for k in kids) for g in range(len(self.groups))]
-            else:
-                reach[n] = [
-                    n.end if w is None else self._lo(g, n.end) for g, w in enumerate(self.windows)
-                ]
+        for top in tops:
+            stack = [(top, False)]
+            while stack:
+                n, seen = stack.pop()
+                if n in reach:
+                    continue
+                if not seen:
+                    stack.append((n, True))
+                    stack.extend((c, False) for c in n.children.values() if c not in reach)
+                elif n.children:
+                    kids = [reach[c] for c in n.children.values()]
+                    reach[n] = [min(k[g] for k in kids) for g in range(len(self.groups))]
+                else:
+                    reach[n] = [
+                        n.end if w is None else self._lo(g, n.end)
+                        for g, w in enumerate(self.windows)
+                    ]
         return reach
 
     def _evictable(self, node: Node) -> bool:

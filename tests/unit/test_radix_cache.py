@@ -808,20 +808,23 @@ def test_evictions_go_in_lru_order_from_one_walk_of_the_tree(windows, monkeypatc
     assert not sim.cache.nodes and sim.memory.pool.num_free == sim.memory.pool.capacity
 
 
-def test_a_short_eviction_looks_at_device_nodes_only(monkeypatch):
+@pytest.mark.parametrize("windows", [[None], [8, None]], ids=["full", "swa"])
+def test_a_short_eviction_looks_at_device_nodes_only(windows, monkeypatch):
     """An eviction that cannot reach its goal runs the device-leaf queue dry, and its rebuild
-    walked every node: with a host tier keeping thousands of nodes, each step that asked paid a
-    walk of the tree (stop 30, benchmarks/cache_pressure.py: 3.7 ms a short eviction at 1.3k
-    nodes, 15.6 ms at 4.3k). The rebuild takes the nodes with device pages now (each node
-    counts its children with device pages below), and still finds every device leaf."""
-    sim = Sim([None], page_size=4, num_pages=40, host_pages=400)
+    walked every node; with SWA groups the last resorts (levels 1 and 2) sorted every node,
+    walked the tree for the leaves' reach and tidied every leaf. With a host tier keeping
+    thousands of nodes, each step that asked paid that (stop 30, benchmarks/cache_pressure.py:
+    3.7 ms a short eviction at 1.3k nodes, 15.6 ms at 4.3k). They take the nodes with device
+    pages now (each node counts its children with device pages below), and still free all
+    that can go."""
+    sim = Sim(windows, page_size=4, num_pages=40 * len(windows), host_pages=400 * len(windows))
     prompts = [[1000 * k + i for i in range(13)] for k in range(1, 61)]  # 3 full pages each
     for p in prompts:
         sim.finish(run_to_end(sim, p))
     running = run_to_end(sim, [7] * 13)  # its pages cannot go
     cache = sim.cache
     on_device = [n for n in cache.nodes if n.num_dev]
-    assert len(cache.nodes) == 61 and 0 < len(on_device) < 15  # most prompts live on host
+    assert len(cache.nodes) == 61 and 0 < len(on_device) <= 15  # most prompts live on host
     walks, looked, inside = [], [], []
     postorder, candidates, evict = cache._postorder, cache._leaf_candidates, cache.evict
 
@@ -850,8 +853,8 @@ def test_a_short_eviction_looks_at_device_nodes_only(monkeypatch):
         sim.check()
     assert None not in walks  # no walk of the whole tree
     assert looked and max(looked) <= len(on_device)
-    assert [n for n in cache.nodes if n.num_dev] == [cache.root.children[(7,) * 4]]
-    assert cache.root.children[(7,) * 4].num_dev == 3  # the running request's pages stay
+    left = [p for n in cache.nodes for row in n.dev for p in row if p != NULL_PAGE]
+    assert left and all(sim.memory.pool.refcount(p) > 1 for p in left)  # the request's only
     sim.finish(running)
 
 
