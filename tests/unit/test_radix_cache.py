@@ -96,12 +96,20 @@ class Sim:
         n = max(1, min(chunk, len(tokens) - p))
         need = self.memory.pages_to_cover(p, p + n) + hit.extra_pages
         short = need - self.memory.pool.num_free
-        if short > 0:
-            self.locked_evict(hit, short)
-        if need > self.memory.pool.num_free:
+        # As the scheduler does, the hit stays locked from the match until attach: unlocking
+        # tidies, and may remove a node of the hit whose own end is not a reuse point.
+        self.cache.lock(hit)
+        try:
+            if short > 0:
+                self._evict_locked(hit, short)
+            fits = need <= self.memory.pool.num_free
+            if fits:
+                self.cache.attach(req.request_id, hit, len(tokens))
+        finally:
+            self.cache.unlock(hit)
+        if not fits:
             self.check()
             return None
-        self.cache.attach(req.request_id, hit, len(tokens))
         req.num_computed_tokens = req.hit = p
         assert self.memory.allocate(req, n)
         self.running[req.request_id] = req
@@ -182,15 +190,19 @@ class Sim:
 
     def locked_evict(self, hit, n: int) -> int:
         self.cache.lock(hit)
-        before = self._pages_of(hit)
         try:
-            freed = self.evict(n)
-            for node in hit.nodes:
-                assert node in self.cache.nodes, "a locked node was removed"
+            return self._evict_locked(hit, n)
         finally:
             self.cache.unlock(hit)
+            self.check()
+
+    def _evict_locked(self, hit, n: int) -> int:
+        """Evict with the hit locked (by the caller): its nodes stay, their pages unchanged."""
+        before = self._pages_of(hit)
+        freed = self.evict(n)
+        for node in hit.nodes:
+            assert node in self.cache.nodes, "a locked node was removed"
         assert before == self._pages_of(hit), "a pinned node changed during eviction"
-        self.check()
         return freed
 
     # ---- checks ---------------------------------------------------------------------------
