@@ -152,6 +152,10 @@ class Node:
         self.num_off = [0] * num_tiers  # non-NULL entries of off[t]
         self.serial = next(_serials)  # ties of last_access: oldest node first (deterministic)
 
+    def dev_below(self) -> bool:
+        """Some node of this subtree (this one included) holds a device page."""
+        return self.num_dev > 0 or self.dev_kids > 0
+
     def lru_key(self) -> tuple[int, int]:
         return (self.last_access, self.serial)
 
@@ -651,7 +655,7 @@ class RadixCache:
             else:
                 self._dev_nodes.discard(n)
         # `top` holds a device page below it iff the old node did: the parent's count stands
-        top.dev_kids = int(node.num_dev > 0 or node.dev_kids > 0)
+        top.dev_kids = int(node.dev_below())
         parent.children[tuple(top.key[:ps])] = top  # same first page as `node`: same key
         _add_child(top, node, ps)
         node.parent = top
@@ -1126,9 +1130,9 @@ class RadixCache:
         step = 1 if on else -1
         while node.parent is not None:
             parent = node.parent
-            was = parent.num_dev > 0 or parent.dev_kids > 0
+            was = parent.dev_below()
             parent.dev_kids += step
-            if was == (parent.num_dev > 0 or parent.dev_kids > 0):
+            if was == parent.dev_below():
                 return
             node = parent
 
@@ -1226,7 +1230,7 @@ class RadixCache:
                         assert self._present(n, g, i), f"{where}: full slot {i} lost"
             assert nd == n.num_dev, f"{where}: num_dev {n.num_dev} counted {nd}"
             assert (n in self._dev_nodes) == (nd > 0), f"{where}: device-node set"
-            kids = sum(c.num_dev > 0 or c.dev_kids > 0 for c in n.children.values())
+            kids = sum(c.dev_below() for c in n.children.values())
             assert kids == n.dev_kids, f"{where}: dev_kids {n.dev_kids} counted {kids}"
             num_dev += nd
             for t, tier in enumerate(n.off):
@@ -1249,7 +1253,7 @@ class RadixCache:
                 )
         assert num_dev == self.num_dev, "device page count drifted"
         assert len(self._dev_nodes) == sum(n.num_dev > 0 for n in seen), "device-node set"
-        root_kids = sum(c.num_dev > 0 or c.dev_kids > 0 for c in self.root.children.values())
+        root_kids = sum(c.dev_below() for c in self.root.children.values())
         assert root_kids == self.root.dev_kids, "root: dev_kids"
         assert pins == self._num_pins, "pins drifted"
         for t, tier in enumerate(self.tiers):
