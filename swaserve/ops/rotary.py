@@ -76,7 +76,9 @@ def apply_rotary(
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "rotary needs unit stride in head_dim"
     if t == 0:
         return q, k
-    block_hq, block_hk = triton.next_power_of_2(hq), triton.next_power_of_2(hk)
+    # At least one lane: a q of zero heads turns the keys alone (the DFlash drafter's
+    # context keys), its lanes all masked off.
+    block_hq, block_hk = max(1, triton.next_power_of_2(hq)), max(1, triton.next_power_of_2(hk))
     block_half = triton.next_power_of_2(half)
     num_warps = min(8, max(1, block_hq * block_half // 256))
     _rotary_kernel[(t,)](

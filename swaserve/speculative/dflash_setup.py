@@ -80,6 +80,14 @@ def build_proposer(
     hf = target.config
     device, dtype = kv.pages.device, config.torch_dtype()
     drafter = load_dflash_drafter(setup.path, hf, device, dtype, tp)
+    if device.type == "cuda" and not config.disable_fused_ops and (tp is None or tp.size == 1):
+        from swaserve.ops import enable_fused_ops
+
+        # The target's kernels for the drafter's norms, rotary and gate/up + activation: as
+        # eager torch code each RMSNorm is ~7 kernels and each rotary ~10, and the context
+        # store runs them on every target forward, drafting or not (benchmarks/RESULTS.md
+        # stop 31). Tensor-parallel shards keep the eager code.
+        enable_fused_ops(drafter)
     args = (drafter, target, layout, int(hf.num_hidden_layers), config.page_size)
     if tp is None or tp.size == 1:
         proposer = DFlashProposer(*args)
