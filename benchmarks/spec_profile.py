@@ -12,7 +12,7 @@ for the verify graph), resolve/commit, retire, and the rest of `EngineCore.step`
 then ~0: every step commits one token; the step's work is the same).
 Prints a table last; JSON to $OUT/spec_profile.json.
 Usage: PYTHONPATH=. python benchmarks/spec_profile.py [--drafter DIR ...] [--steps 300]
-       [--load-format dummy] [--torch-profile-steps N]
+       [--load-format dummy] [--torch-profile-steps N] [--gated] [--ngram]
 """
 
 from __future__ import annotations
@@ -155,12 +155,18 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run, host times only)")
     ap.add_argument("--ngram", action="store_true", help="also the n-gram drafter")
     ap.add_argument("--torch-profile-steps", type=int, default=0)
+    ap.add_argument("--gated", action="store_true",
+                    help="also each drafter with the gate on (DFlash's cost on decode steps)")
     args = ap.parse_args()
     engines: dict[str, dict] = {"off": {}}
     for i, d in enumerate(args.drafter):
         engines[f"dflash{i}"] = dict(speculative_algorithm="dflash",
                                      speculative_draft_model=d,
                                      disable_adaptive_speculation=True)
+        if args.gated:  # the gate decides: where drafting loses, decode steps that only
+            # store the drafter's context (what DFlash costs when it does not draft)
+            engines[f"gated{i}"] = dict(speculative_algorithm="dflash",
+                                        speculative_draft_model=d)
     if args.ngram:
         engines["ngram"] = dict(speculative_algorithm="ngram", disable_adaptive_speculation=True)
     rows = [profile(name, kw, args) for name, kw in engines.items()]
@@ -177,9 +183,8 @@ def main() -> None:
             cells.append("-" if h is None else f"{h:.3f}" + (f" [{g:.3f}]" if g else ""))
         print(f"{r['engine']:8} {r['ms_per_token']:7.3f} {r['tokens_per_step']:8.2f} "
               f"{r['ms_per_step']:8.3f} " + " ".join(f"{c:>14}" for c in cells))
-    for d, r in zip([None, *args.drafter], rows):
-        if d:
-            print(f"  {r['engine']}: {d}")
+    for i, d in enumerate(args.drafter):
+        print(f"  dflash{i}{', gated' + str(i) if args.gated else ''}: {d or 'shipped'}")
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "spec_profile.json"), "w") as f:
