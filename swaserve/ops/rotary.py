@@ -56,6 +56,14 @@ def _rotary_kernel(
     _rotate_heads(K, k_stride_t, k_stride_h, t, HK, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
 
 
+def rotary_blocks(hq: int, hk: int, half: int) -> tuple[int, int, int]:
+    """The kernel's (BLOCK_HQ, BLOCK_HK, BLOCK_HALF) for hq q heads, hk k heads and `half`
+    rotary pairs. At least one lane each: a q of zero heads turns the keys alone (the DFlash
+    drafter's context keys), its one lane masked off."""
+    return (max(1, triton.next_power_of_2(hq)), max(1, triton.next_power_of_2(hk)),
+            triton.next_power_of_2(half))
+
+
 def apply_rotary(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -76,10 +84,7 @@ def apply_rotary(
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "rotary needs unit stride in head_dim"
     if t == 0:
         return q, k
-    # At least one lane: a q of zero heads turns the keys alone (the DFlash drafter's
-    # context keys), its lanes all masked off.
-    block_hq, block_hk = max(1, triton.next_power_of_2(hq)), max(1, triton.next_power_of_2(hk))
-    block_half = triton.next_power_of_2(half)
+    block_hq, block_hk, block_half = rotary_blocks(hq, hk, half)
     num_warps = min(8, max(1, block_hq * block_half // 256))
     _rotary_kernel[(t,)](
         q, k, positions, inv_freq.contiguous(),

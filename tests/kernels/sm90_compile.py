@@ -222,12 +222,47 @@ def compile_gemv(case: tuple) -> None:
     _check_pdl(kernel, pdl)
 
 
+# The rotary kernel (swaserve/ops/rotary.py): (name, dtype, q heads, kv heads, half). Zero q
+# heads is the DFlash drafter's context keys turned alone (one masked q lane); smollm2's
+# drafter (3 KV heads, D 64) and the tiny test drafter (float32, D 8).
+ROTARY_CASES = [
+    ("rotary bf16 keys alone D64", torch.bfloat16, 0, 3, 32),
+    ("rotary fp32 keys alone D8", torch.float32, 0, 2, 4),
+    ("rotary bf16 q and k D64", torch.bfloat16, 9, 3, 32),
+]
+
+
+def compile_rotary(case: tuple) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from swaserve.ops import rotary as r
+
+    _, dtype, hq, hk, half = case
+    t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    consts = dict(zip(("BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF"), r.rotary_blocks(hq, hk, half),
+                      strict=True))  # as apply_rotary launches it
+    ptrs = {"Q": t, "K": t, "POS": "i64", "INV_FREQ": "fp32"}
+    fn = r._rotary_kernel
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = "*" + ptrs[name]
+        else:
+            sig[name] = "fp32" if name == "SCALE" else "i32"
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+
+
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET"
     names = sys.argv[1:]
     for case, compile_one in [(c, compile_case) for c in CASES] + [
         (c, compile_reduce) for c in REDUCE_CASES
-    ] + [(c, compile_gemv) for c in GEMV_CASES]:
+    ] + [(c, compile_gemv) for c in GEMV_CASES] + [(c, compile_rotary) for c in ROTARY_CASES]:
         if names and case[0] not in names:
             continue
         try:
