@@ -21,35 +21,19 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
 from swaserve import Engine, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import host_timer  # noqa: E402
+
 PROMPT = "Explain how a refrigerator keeps food cold, step by step, for a curious child."
-
-
-def _wrap(obj: object, name: str, host: dict, phase: str, gpu: list | None = None) -> None:
-    """Time `obj.name` on the host into host[phase]; with `gpu`, also CUDA events around it
-    (its device time, when it enqueues one graph's work)."""
-    fn = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        if gpu is not None:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-        try:
-            return fn(*a, **k)
-        finally:
-            if gpu is not None:
-                e.record()
-                gpu.append((phase, s, e))
-            host[phase] += time.perf_counter() - t
-
-    setattr(obj, name, wrapper)
 
 
 def profile(name: str, kw: dict, args: argparse.Namespace) -> dict:
@@ -66,18 +50,18 @@ def profile(name: str, kw: dict, args: argparse.Namespace) -> dict:
     gpu: list | None = [] if args.device == "cuda" else None  # a CPU run: host times only
     spec = core.spec
     if spec is not None:
-        _wrap(spec, "decide", host, "propose")
-        _wrap(spec, "propose", host, "propose")
+        host_timer(host, spec, "decide", "propose")
+        host_timer(host, spec, "propose", "propose")
         if spec.dflash is not None and spec.dflash.graphs is not None:
-            _wrap(spec.dflash.graphs, "run", host, "drafter", gpu)
-        _wrap(spec, "sample", host, "sample")
+            host_timer(host, spec.dflash.graphs, "run", "drafter", gpu)
+        host_timer(host, spec, "sample", "sample")
         if core.runner.verify_graphs is not None:
-            _wrap(core.runner.verify_graphs, "run_chunks", host, "verify", gpu)
+            host_timer(host, core.runner.verify_graphs, "run_chunks", "verify", gpu)
     if core.runner.graphs is not None:
-        _wrap(core.runner.graphs, "run", host, "decode", gpu)
-    _wrap(core.scheduler, "schedule", host, "schedule")
-    _wrap(core, "_resolve", host, "resolve")
-    _wrap(core.scheduler, "retire", host, "retire")
+        host_timer(host, core.runner.graphs, "run", "decode", gpu)
+    host_timer(host, core.scheduler, "schedule", "schedule")
+    host_timer(host, core, "_resolve", "resolve")
+    host_timer(host, core.scheduler, "retire", "retire")
     totals: dict[str, float] = defaultdict(float)
     steps = tokens = 0
     for rep in range(2):  # the first request warms up (graphs, allocator, the gate)

@@ -62,15 +62,23 @@ def _engine_arg(text: str) -> tuple[str, object]:
     return key, value
 
 
-def host_timer(host: dict, obj: object, name: str, phase: str) -> None:
-    """Wrap `obj.name` so that each call adds its host seconds to `host[phase]`."""
+def host_timer(host: dict, obj: object, name: str, phase: str, gpu: list | None = None) -> None:
+    """Wrap `obj.name` so that each call adds its host seconds to `host[phase]`; with `gpu`,
+    also appends (phase, start, end) CUDA events around the call (its device time, when it
+    enqueues one graph's work)."""
     fn = getattr(obj, name)
 
     def wrapper(*a, **k):
         t = time.perf_counter()
+        if gpu is not None:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
         try:
             return fn(*a, **k)
         finally:
+            if gpu is not None:
+                e.record()
+                gpu.append((phase, s, e))
             host[phase] += time.perf_counter() - t
 
     setattr(obj, name, wrapper)

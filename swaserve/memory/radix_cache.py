@@ -743,10 +743,11 @@ class RadixCache:
         if level == 2:
             # The ends that read a dropped page lie below the node that had it: they go (or
             # wait as suspects). Every other leaf's end was valid or a suspect already.
-            for top in dropped:
-                if top in self.nodes:
-                    for leaf in [n for n in self._postorder(top) if not n.children]:
-                        self._tidy(leaf)
+            # (dropped nodes may nest: each leaf once)
+            leaves = dict.fromkeys(n for top in dropped if top in self.nodes
+                                   for n in self._postorder(top) if not n.children)
+            for leaf in leaves:
+                self._tidy(leaf)
 
     def _evict_swa_queued(self, goal: int) -> None:
         """Level 0 of `_evict_swa` over the kept queue: a node leaves it once nothing it
