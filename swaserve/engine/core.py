@@ -220,6 +220,7 @@ class EngineCore:
         if config.speculative_algorithm:
             self.spec = Speculation(config, self.sampler, self.max_model_len, self.memory,
                                     self.kv, self._dflash_proposer())
+            self.scheduler.speculative = True
         if self.ep is not None:
             self._start_decode_workspace()
         # A PD prefill instance reads a sample's generator right after its one draw: no overlap.
@@ -344,8 +345,12 @@ class EngineCore:
         flags = "--gpu-memory-utilization or --kv-cache-gb" if on_gpu else "--kv-cache-gb"
         n = num_pages - 1
         pool = f"{n} page{'s' if n != 1 else ''} of {c.page_size} tokens"
+        from swaserve.engine.speculation import num_draft_tokens
+
+        # with speculation, room for a whole verify chunk too (a seeded request's: scheduler)
+        drafts = num_draft_tokens(c, self.dflash_config)
         limit = fit_context(self.max_model_len, c.max_model_len is not None,
-                            self.memory.max_request_tokens(), pool, flags)
+                            self.memory.max_request_tokens(drafts), pool, flags)
         if limit.by_kv_pool:
             log.warning(
                 "max_model_len capped from %d to %d tokens: that is all the KV pool (%s) "

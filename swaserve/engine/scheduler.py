@@ -95,6 +95,9 @@ class Scheduler:
         # engine under expert parallelism.
         self.decode_cap: int | None = None
         self._decode_next: Request | None = None  # the first request the cap held back
+        # Speculative decoding is on (set by the engine): seeded sampling requests' chunks
+        # follow `_chunk_end` and the whole-verify rule in `schedule`.
+        self.speculative = False
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -150,21 +153,31 @@ class Scheduler:
                 continue
             if decoding is not None and _decoding(req) and id(req) not in decoding:
                 continue  # past the decode cap: the next step
-            n = min(req.num_tokens_with_drafts - req.num_computed_tokens, budget)
+            end = self._chunk_end(req)
+            n = min(end - req.num_computed_tokens, budget)
             # A verify chunk [last, drafts] cut short verifies fewer drafts, which changes a
             # seeded request's draws: such a request waits for a step with room instead (its
             # draft count is capped below the token budget, so it never waits forever).
             fixed = bool(req.draft_token_ids) and _seeded_random(req)
-            if fixed and n < req.num_tokens_with_drafts - req.num_computed_tokens:
+            if fixed and n < end - req.num_computed_tokens:
                 continue
+            wait = False
             while not self.memory.allocate(req, n):
                 if self.cache is not None and self.cache.evict(self.memory.shortfall(req, n)):
                     continue
-                k = 0 if fixed else self._largest_fit(req, n)
+                victim = self.running[-1]
+                if fixed and victim is req and len(self.running) > 1:
+                    # Nor is it cut for want of pages: the newest keeps its pages and waits
+                    # (an older request short of pages preempts it). Alone, it runs a shorter
+                    # chunk below rather than never (max_model_len leaves room for a whole
+                    # verify chunk, max_request_tokens(K): only pages the cache cannot give
+                    # back yet leave it short; its draws then differ from a roomier pool's).
+                    wait = True
+                    break
+                k = 0 if fixed and victim is not req else self._largest_fit(req, n)
                 if k:
                     n = k  # a shorter chunk fits: progress without preempting anyone
                     continue
-                victim = self.running[-1]
                 if victim is req and len(self.running) == 1:
                     # Alone, with no cache page left to take and no shorter chunk: it never fits.
                     self.running.remove(req)
@@ -174,6 +187,8 @@ class Scheduler:
                 self._preempt(victim, batch)
                 if victim is req:
                     break
+            if wait:
+                continue
             if req.status is RequestStatus.RUNNING:
                 if req.draft_token_ids:  # drafts past the chunk are not verified (it holds `last`)
                     del req.draft_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens) :]
@@ -205,8 +220,9 @@ class Scheduler:
             if self._loading(req):
                 held = True
                 continue
-            batch.add(req, n)
-            budget -= n
+            if n:  # 0: resumed one token short of its end (_chunk_end); it verifies next step
+                batch.add(req, n)
+                budget -= n
         if held and not batch:
             self.cache.wait_loads()  # nothing to overlap them with: no busy polling
         return batch
@@ -237,6 +253,17 @@ class Scheduler:
     def _loading(self, req: Request) -> bool:
         """The request's cached prefix is still being loaded: not in this step's forward."""
         return self.cache is not None and self.cache.loads_pending(req.request_id)
+
+    def _chunk_end(self, req: Request) -> int:
+        """Where the request's next chunk may end: its known tokens and drafts. Under
+        speculation a seeded sampling request recomputed after a preemption stops one token
+        short: its last token is then verified with drafts, as it would have been had it not
+        been preempted, and draws what it would have drawn (a drafter proposes only once the
+        positions before the last one are computed)."""
+        if (self.speculative and req.output_token_ids and _seeded_random(req)
+                and req.num_computed_tokens < req.num_tokens - 1):
+            return req.num_tokens - 1
+        return req.num_tokens_with_drafts
 
     def _largest_fit(self, req: Request, n: int) -> int:
         """The longest chunk shorter than n that `allocate` would take now (0: none)."""
@@ -331,7 +358,7 @@ class Scheduler:
         full groups have room for the whole prompt: a long prompt starts where its first
         chunk's SWA pages for every group would not fit at once."""
         p = hit.num_tokens if hit is not None else 0
-        n = min(req.num_tokens - p, budget)
+        n = min(self._chunk_end(req) - p, budget)  # 0: a resumed request's last token is due
         fixed = self.memory.watermark_pages + reserve
         if hit is not None:
             fixed += hit.extra_pages

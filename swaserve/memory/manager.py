@@ -140,17 +140,24 @@ class MemoryManager:
         width = max(1, _ceil_div(max((st.num_tokens for st in sts), default=0), self.page_size))
         return self._mirror.gather([st.row for st in sts], width)
 
-    def max_request_tokens(self) -> int:
+    def max_request_tokens(self, verify_drafts: int = 0) -> int:
         """The most tokens one request alone can hold: the largest L (a whole number of pages)
         with pages(L) + watermark_pages <= capacity, where pages(L) sums over groups
         ceil(L / page_size) for a full group and min(ceil(L / page_size), ceil((w - 1) /
         page_size) + 1) for an SWA group of window w: its footprint settles at the pages of
         the w - 1 keys the next query reads plus the page it writes (chunks shrink to what
         fits and out-of-window pages retire first). 0 when not one page per group fits;
-        sys.maxsize when every group is SWA and all their footprints fit."""
+        sys.maxsize when every group is SWA and all their footprints fit.
+
+        `verify_drafts` K > 0: the request also runs whole verify chunks [last, K drafts] (a
+        seeded sampling request's cannot shrink): an SWA group then holds the window behind
+        the chunk's first position and the chunk, ceil((w - 1 + K) / page_size) + 1 pages."""
         budget = self.pool.capacity - self.watermark_pages
-        caps = [None if g.window is None else _ceil_div(g.window - 1, self.page_size) + 1
-                for g in self.layout.groups]
+        caps = [
+            None if g.window is None
+            else _ceil_div(g.window - 1 + verify_drafts, self.page_size) + 1
+            for g in self.layout.groups
+        ]
 
         def pages(slots: int) -> int:
             return sum(slots if c is None else min(slots, c) for c in caps)

@@ -62,6 +62,29 @@ def test_swa_footprint_bound_brute_force():
             mgr.check_integrity()
 
 
+def test_swa_footprint_bound_with_verify_chunks_brute_force():
+    """One SWA group, verify chunks of K + 1 tokens each keeping 1..K + 1 of them (the rest
+    rolled back): the pages held never exceed ceil((w - 1 + K) / ps) + 1, the bound that
+    max_request_tokens(K) uses, and a chunk always fits in that many pages."""
+    import random
+
+    rng = random.Random(0)
+    for window in range(1, 20):
+        for ps in range(1, 9):
+            for k in (1, 2, 3, 5):
+                bound = _cdiv(window - 1 + k, ps) + 1
+                mgr = MemoryManager(build_layout([window]), ps, num_pages=bound + 1)
+                req = _Req("r")
+                for _ in range(3 * (window + k) // 1 + 4):
+                    assert mgr.allocate(req, k + 1), (window, ps, k)
+                    req.num_computed_tokens += rng.randint(1, k + 1)
+                    assert _held(mgr, "r", 0) <= bound, (window, ps, k)
+                mgr.check_integrity()
+    layout = build_layout([8, None])
+    mgr = MemoryManager(layout, 4, 21, watermark_pages=2)
+    assert mgr.max_request_tokens(0) == 60 and mgr.max_request_tokens(4) == 56
+
+
 def test_max_request_tokens_fits_one_request_of_that_length():
     """Hybrid layouts (one SWA group, one full): a request of max_request_tokens tokens, grown
     one token at a time, always leaves the watermark free; one more page would not fit by the
