@@ -16,12 +16,23 @@ mid-prefill and mid-decode. The engine's core is driven step by step and checked
   - at idle every page is free or owned once by the cache, and evicting everything frees the
     whole pool.
 
+With speculation (`run_workload(seed, ..., spec=True)`, issue 11), the same workload also drafts
+(its drafter, K and gate drawn from the seed apart from the rest, so that a seed's workload
+is the same with and without): the n-gram drafter, a planted oracle (the reference
+continuation with random errors: full, partial and zero acceptances) or a random DFlash drafter
+whose context K/V live in the pool's pages (host and disk tiers, SWA retirement, preemption).
+Greedy requests must equal speculation off; a seeded sampling request must equal the same
+speculation alone in a roomy pool (its draws depend on its drafts, which depend on its tokens
+alone); every DFlash draft must equal that reference's at the same tokens; each request's
+speculation counters must add up.
+
 `run_workload(seed, ...)` raises AssertionError naming the seed; tests/unit/test_stress.py runs
 fixed seeds (those that found bugs) and a sweep.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -55,7 +66,8 @@ class Models:
         self.device = device
         self.head_dim = HEAD_DIM[torch.device(device).type]
         self._weights: dict[tuple[str, ...], Path] = {}
-        self._refs: dict[Path, Engine] = {}
+        self._refs: dict[tuple, Engine] = {}
+        self.drafts: dict[tuple, dict] = {}  # a DFlash reference's drafts (record_drafts)
 
     def folder(self, pattern: tuple[str, ...], window: int) -> Path:
         weights = self._weights.get(pattern)
@@ -85,16 +97,143 @@ class Models:
             (folder / "config.json").write_text(json.dumps(cfg))
         return folder
 
-    def reference(self, folder: Path) -> Engine:
-        """The prefix-cache-off engine with a large pool: what every output must equal."""
-        eng = self._refs.get(folder)
+    def reference(self, folder: Path, spec: SpecChoice | None = None, k: int = 0) -> Engine:
+        """The prefix-cache-off engine with a large pool: what every output must equal. With
+        `spec`, the same speculation with `k` drafts a step, every step drafting (what a seeded
+        sampling request must equal; its DFlash drafts are recorded in `self.drafts`)."""
+        key = (folder, None) if spec is None else (folder, spec.algo, k, spec.ngram,
+                                                   self.drafter(spec))
+        eng = self._refs.get(key)
         if eng is None:
+            kw = {} if spec is None else dict(_spec_args(spec, k, self.drafter(spec)),
+                                              disable_adaptive_speculation=True)
             eng = Engine(
                 model=str(folder), kv_cache_gb=0.02, disable_prefix_cache=True, page_size=16,
-                max_num_batched_tokens=256, **_device_args(self.device),
+                max_num_batched_tokens=256, **_device_args(self.device), **kw,
             )
-            self._refs[folder] = eng
+            if spec is not None and spec.algo == "dflash":
+                self.drafts[key] = record_drafts(eng)
+            self._refs[key] = eng
         return eng
+
+    def drafter(self, spec: SpecChoice) -> Path | None:
+        """A random DFlash drafter folder for `spec` (written by the reference package's
+        `save_pretrained`), one per shape; None for the other drafters."""
+        if spec.algo != "dflash":
+            return None
+        name = "-".join([
+            "d", "".join(spec.target_pattern), "".join(spec.layers), f"w{spec.window}",
+            f"b{spec.block}", "t" + "".join(map(str, spec.target_ids)),
+        ])
+        folder = self.root / name
+        if not folder.exists():
+            _save_random_drafter(folder, spec, self.head_dim)
+        return folder
+
+
+@dataclass(frozen=True)
+class SpecChoice:
+    """A workload's speculation. `algo`: ngram, oracle (the n-gram engine with a planted
+    drafter, `StressOracle`) or dflash; `k` drafts asked a step (the engine caps it by its
+    token budget); `gate`: the adaptive gate on (else every step drafts). DFlash: the random
+    drafter's layers (S sliding, F full), sliding window, block size and target layer ids."""
+
+    algo: str
+    k: int
+    gate: bool
+    ngram: tuple[int, int] = (1, 4)
+    error_p: float = 0.0  # oracle: each draft is wrong with this probability
+    target_pattern: tuple[str, ...] = ()
+    layers: tuple[str, ...] = ()
+    window: int = 0
+    block: int = 0
+    target_ids: tuple[int, ...] = ()
+
+
+def _spec_args(spec: SpecChoice, k: int, drafter: Path | None) -> dict:
+    if spec.algo == "dflash":
+        kw = {"speculative_algorithm": "dflash", "speculative_draft_model": str(drafter)}
+    else:
+        lo, hi = spec.ngram
+        kw = {"speculative_algorithm": "ngram", "speculative_ngram_min": lo,
+              "speculative_ngram_max": hi}
+    if k:
+        kw["speculative_num_draft_tokens"] = k
+    return kw
+
+
+def _save_random_drafter(folder: Path, spec: SpecChoice, head_dim: int) -> None:
+    """A DFlash drafter for the stress targets (hidden 32, vocabulary 48, one KV head of the
+    pool's head size), random weights large enough that every part shows."""
+    import math
+
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    raw = dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=VOCAB, hidden_size=32,
+        num_attention_heads=2, num_key_value_heads=KV_HEADS, head_dim=head_dim,
+        intermediate_size=48, num_hidden_layers=len(spec.layers),
+        num_target_layers=len(spec.target_pattern), max_position_embeddings=MAX_POS,
+        use_sliding_window=True, sliding_window=spec.window,
+        layer_types=["sliding_attention" if t == "S" else "full_attention" for t in spec.layers],
+        dflash_config={"block_size": spec.block, "mask_token_id": 0,
+                       "target_layer_ids": list(spec.target_ids),
+                       "input_embedding_scale": math.sqrt(32)},
+    )
+    model = DFlashDraftModel(Qwen3Config.from_dict(raw)).eval()
+    gen = torch.Generator().manual_seed(len(folder.name))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
+    model.save_pretrained(folder)
+
+
+def record_drafts(eng: Engine) -> dict[tuple[int, ...], list[int]]:
+    """Every DFlash proposal of `eng` from now on: the request's tokens through its last one
+    (committed, not yet run) -> its drafts. The same tokens proposed again (a request
+    recomputed after preemption, a prompt seen before) must give the same drafts."""
+    seen: dict[tuple[int, ...], list[int]] = {}
+    proposer = eng.core.spec.dflash
+    propose = proposer.propose
+
+    def recorded(reqs, ks, memory, kv):
+        drafts = propose(reqs, ks, memory, kv)
+        for req, got in zip(reqs, drafts, strict=True):
+            key = tuple(req.tokens(0, req.num_computed_tokens + 1))
+            had = seen.setdefault(key, got)
+            n = min(len(had), len(got))
+            assert had[:n] == got[:n], f"drafts after {len(key)} tokens: {had} then {got}"
+        return drafts
+
+    proposer.propose = recorded
+    return seen
+
+
+class StressOracle:
+    """Drafts the reference continuation of the longest known prompt the tokens extend, each
+    draft replaced by a random token with probability `error_p`, sometimes padded past the
+    reference's end: full, partial and zero acceptances. Greedy workloads only (its drafts
+    depend on what was submitted before, not on the request's tokens alone)."""
+
+    def __init__(self, error_p: float, rng: random.Random) -> None:
+        self.refs: dict[tuple[int, ...], list[int]] = {}
+        self.error_p = error_p
+        self.rng = rng
+
+    def propose(self, tokens, k: int) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        best = max((p for p in self.refs if tuple(tokens[: len(p)]) == p), key=len, default=None)
+        if best is None:
+            return []
+        pos = len(tokens) - len(best)
+        drafts = list(self.refs[best][pos : pos + k])
+        drafts = [self.rng.randrange(VOCAB) if self.rng.random() < self.error_p else t
+                  for t in drafts]
+        if len(drafts) < k and self.rng.random() < 0.5:
+            drafts += [self.rng.randrange(VOCAB) for _ in range(k - len(drafts))]
+        return drafts
 
 
 @dataclass
@@ -119,6 +258,7 @@ class Workload:
     # 0 admits eagerly and preempts (odd seeds), 1 reserves decode growth (even): both run
     conservativeness: float = 1.0
     notes: dict = field(default_factory=dict)
+    spec: SpecChoice | None = None
 
 
 def _pages_alone(windows: list[int | None], ps: int, tokens: int) -> int:
@@ -183,6 +323,49 @@ def draw(seed: int) -> Workload:
     )
 
 
+def draw_spec(seed: int) -> Workload:
+    """`draw(seed)`'s workload with speculation, drawn from an rng of its own: the drafter, K,
+    the gate, and on some requests penalties or min_tokens (their verify rows are sampled as
+    plain decoding would sample them). Oracle workloads are greedy."""
+    w = draw(seed)
+    rng = random.Random(seed * 104_729 + 17)
+    algo = rng.choice(["ngram", "oracle", "dflash"])
+    gate = rng.random() < 0.3
+    if algo == "dflash":
+        block = rng.randint(2, 5)
+        n = len(w.pattern)
+        spec = SpecChoice(
+            "dflash", rng.randint(1, block - 1), gate, target_pattern=w.pattern,
+            layers=tuple(rng.choice("SF") for _ in range(rng.randint(1, 2))),
+            window=rng.choice([1, 2, rng.randint(1, 12)]), block=block,
+            target_ids=tuple(sorted(rng.sample(range(n), rng.randint(1, n)))),
+        )
+    else:
+        lo = rng.randint(1, 3)
+        spec = SpecChoice(algo, rng.randint(1, 6), gate, ngram=(lo, rng.randint(lo, 4)),
+                          error_p=rng.choice([0.0, 0.1, 0.3, 0.6]))
+    params = []
+    for p in w.params:
+        extra: dict = {"temperature": 0.0, "seed": None} if algo == "oracle" else {}
+        r = rng.random()
+        if r < 0.15:
+            extra["presence_penalty"] = 0.7
+        elif r < 0.3:
+            extra["repetition_penalty"] = 1.4
+        if rng.random() < 0.2:
+            extra["min_tokens"] = rng.randint(0, p.max_tokens)
+        params.append(dataclasses.replace(p, **extra) if extra else p)
+    # Budgets near one verify chunk (K + 1 tokens) as often as not: chunks cut short, and
+    # seeded requests that must wait for room for their whole chunk.
+    budget = rng.choice([w.budget, spec.k + 1, spec.k + 2, 2 * spec.k + 1, rng.randint(1, 8)])
+    w = dataclasses.replace(w, params=params, spec=spec, budget=budget)
+    if rng.random() < 0.5:  # requests competing for a tight pool: preemptions mid-speculation
+        w = dataclasses.replace(w, max_num_seqs=rng.randint(3, 4), conservativeness=0.0,
+                                num_pages=max(3, int(w.num_pages * rng.uniform(0.5, 1.0))),
+                                arrive_p=1.0)
+    return w
+
+
 def _device_args(device: str) -> dict:
     """float32 everywhere (greedy ties and logprob tolerances stay those of the CPU); on CUDA
     few graph buckets: an engine is built per workload."""
@@ -197,6 +380,8 @@ def _gb(pages: int, bytes_per_page: int) -> float:
 
 def build_engine(w: Workload, folder: Path, tmp: Path, models: Models) -> Engine:
     windows = [w.window if t == "S" else None for t in w.pattern]
+    if w.spec is not None and w.spec.algo == "dflash":  # the drafter's layers share the pages
+        windows += [w.spec.window if t == "S" else None for t in w.spec.layers]
     bpp = page_bytes(build_layout(windows), w.page_size, KV_HEADS, models.head_dim, 4)
     device = models.device
     kw = {}
@@ -207,6 +392,9 @@ def build_engine(w: Workload, folder: Path, tmp: Path, models: Models) -> Engine
         if w.disk:
             kw["disk_cache_dir"] = str(tmp)
             kw["disk_cache_gb"] = _gb(2 * w.host_pages, bpp)
+    if w.spec is not None:
+        kw.update(_spec_args(w.spec, w.spec.k, models.drafter(w.spec)))
+        kw["disable_adaptive_speculation"] = not w.spec.gate
     eng = Engine(
         model=str(folder), page_size=w.page_size, kv_cache_gb=_gb(w.num_pages, bpp),
         max_num_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
@@ -219,15 +407,31 @@ def build_engine(w: Workload, folder: Path, tmp: Path, models: Models) -> Engine
     return eng
 
 
-def _reference(models: Models, folder: Path, prompt: list[int], params: SamplingParams):
-    out = models.reference(folder).generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+def _reference(engine: Engine, prompt: list[int], params: SamplingParams):
+    out = engine.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
     lps = [lp.logprob for lp in out.outputs[0].logprobs or []]
     return out.token_ids, lps, out.outputs[0].finish_reason
 
 
-def run_workload(seed: int, models: Models, tmp: Path) -> dict:
-    """Run one workload; returns counters. Raises AssertionError naming the seed."""
-    w = draw(seed)
+def _expected(models: Models, w: Workload, folder: Path, k: int, prompt: list[int],
+              params: SamplingParams):
+    """What a request must give: speculation off; a seeded sampling request under n-gram or
+    DFlash drafting, the same speculation alone (whose greedy requests must equal off too:
+    they run there as well, so that every DFlash draft has a reference)."""
+    off = _reference(models.reference(folder), prompt, params)
+    if w.spec is None or w.spec.algo == "oracle" or k == 0:  # 0: a budget of 1 drafts nothing
+        return off
+    on = _reference(models.reference(folder, w.spec, k), prompt, params)
+    if params.greedy:
+        assert on[0] == off[0] and on[2] == off[2], f"speculation alone: {on[0]} != {off[0]}"
+        return off
+    return on
+
+
+def run_workload(seed: int, models: Models, tmp: Path, spec: bool = False) -> dict:
+    """Run one workload (`spec`: with speculation, draw_spec); returns counters. Raises
+    AssertionError naming the seed."""
+    w = draw_spec(seed) if spec else draw(seed)
     folder = models.folder(w.pattern, w.window)
     try:
         return _run(w, models, folder, tmp)
@@ -241,6 +445,7 @@ def _describe(w: Workload) -> str:
         f"seqs {w.max_num_seqs} pages {w.num_pages} host {w.host_pages} disk {w.disk} "
         f"wt {w.write_through} lag {w.lag} overlap {w.overlap} "
         f"conservativeness {w.conservativeness} prompts {len(w.prompts)}"
+        + (f" spec {w.spec}" if w.spec is not None else "")
     )
 
 
@@ -254,6 +459,13 @@ def _run(w: Workload, models: Models, folder: Path, tmp: Path) -> dict:
     core = eng.core
     memory = core.memory
     limit = core.max_model_len
+    spec_k = core.spec.k if core.spec is not None else 0  # the engine's K (budget-capped)
+    oracle = drafts = None
+    if w.spec is not None and w.spec.algo == "oracle":
+        oracle = core.spec.drafter = StressOracle(w.spec.error_p, random.Random(w.seed))
+    if w.spec is not None and w.spec.algo == "dflash":
+        drafts = record_drafts(eng)
+    spec_final: dict[str, dict] = {}
     want: dict[str, tuple] = {}  # request -> reference (tokens, logprobs, finish)
     got: dict[str, list[int]] = {}
     got_lps: dict[str, list[float]] = {}
@@ -282,8 +494,10 @@ def _run(w: Workload, models: Models, folder: Path, tmp: Path) -> dict:
                 want_of[i] = ([], [], None)
                 return
             raise AssertionError(f"{rid}: {len(prompt)} + {params.max_tokens} > {limit} accepted")
-        want_of[i] = _reference(models, folder, prompt, params)
+        want_of[i] = _expected(models, w, folder, spec_k, prompt, params)
         want[rid] = want_of[i]
+        if oracle is not None:
+            oracle.refs[tuple(prompt)] = want_of[i][0]
         core.add_request(rid, prompt, params)
         got[rid], got_lps[rid] = [], []
         live.append(rid)
@@ -311,6 +525,8 @@ def _run(w: Workload, models: Models, folder: Path, tmp: Path) -> dict:
                 continue
             got[out.request_id] += out.new_token_ids
             got_lps[out.request_id] += [lp.logprob for lp in out.new_logprobs or []]
+            if out.spec is not None:
+                spec_final[out.request_id] = out.spec
             if out.finish_reason is not None:
                 finish[out.request_id] = out.finish_reason
                 live.remove(out.request_id)
@@ -328,6 +544,9 @@ def _run(w: Workload, models: Models, folder: Path, tmp: Path) -> dict:
     used = [p for p in range(1, pool.num_pages) if pool.refcount(p)]
     assert all(pool.refcount(p) == 1 for p in used), "a page held twice at idle"
     assert len(used) == cache.num_dev, f"{len(used)} pages used, {cache.num_dev} in the cache"
+    spec_totals = {}  # drafts first: a request's draws follow them
+    if w.spec is not None:
+        spec_totals = _check_spec(w, models, folder, spec_k, spec_final, finish, drafts)
     for rid, (tokens, lps, reason) in want.items():
         if rid in aborted:
             continue
@@ -344,6 +563,7 @@ def _run(w: Workload, models: Models, folder: Path, tmp: Path) -> dict:
         "preemptions": core.scheduler.num_preemptions,
         **{k: v for k, v in cache.stats().items() if isinstance(v, int)},
     }
+    result.update(spec_totals)
     cache.evict(10**9)
     memory.check_integrity()
     assert pool.num_free == pool.capacity, "evicting everything left pages used"
@@ -351,13 +571,38 @@ def _run(w: Workload, models: Models, folder: Path, tmp: Path) -> dict:
     return result
 
 
-def run_sweep(seeds: range, models: Models, tmp: Path) -> dict[str, int]:
+def _check_spec(w: Workload, models: Models, folder: Path, k: int, final: dict[str, dict],
+                finish: dict[str, str], drafts: dict | None) -> dict[str, int]:
+    """Each finished request's counters add up; every DFlash draft equals the reference's at
+    the same tokens. Returns the workload's speculation counters."""
+    totals = {"spec_verify": 0, "spec_proposed": 0, "spec_accepted": 0, "drafts_compared": 0}
+    for rid in finish:
+        s = final[rid]  # the finishing output carries the request's counters
+        h = s["spec_accept_histogram"]
+        assert sum(h) == s["spec_verify_ct"], (rid, s)
+        assert sum(i * c for i, c in enumerate(h)) == s["spec_accepted_drafts"], (rid, s)
+        assert s["spec_accepted_drafts"] <= s["spec_proposed_drafts"] <= k * s["spec_verify_ct"]
+        totals["spec_verify"] += s["spec_verify_ct"]
+        totals["spec_proposed"] += s["spec_proposed_drafts"]
+        totals["spec_accepted"] += s["spec_accepted_drafts"]
+    if drafts is not None:
+        ref = models.drafts.get((folder, w.spec.algo, k, w.spec.ngram, models.drafter(w.spec)), {})
+        for key, got in drafts.items():
+            want = ref.get(key)
+            if want is not None:
+                n = min(len(got), len(want))
+                assert got[:n] == want[:n], f"drafts after {len(key)} tokens: {got} != {want}"
+                totals["drafts_compared"] += 1
+    return totals
+
+
+def run_sweep(seeds: range, models: Models, tmp: Path, spec: bool = False) -> dict[str, int]:
     """Run workloads for `seeds` (each in its own folder under tmp); the counters summed."""
     totals: dict[str, int] = {}
     for seed in seeds:
         d = tmp / str(seed)
         d.mkdir()
-        for k, v in run_workload(seed, models, d).items():
+        for k, v in run_workload(seed, models, d, spec).items():
             totals[k] = totals.get(k, 0) + v
     return totals
 
