@@ -140,6 +140,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.budget
         held = False  # a request waits for its prefix's loads
+        waiting_for = 0  # pages the seeded verifies that wait for room lack (kept free below)
         decoding = self._decode_picks()
         # Asked per request only while some hit's loads are pending (none: most steps)
         loads = self.cache is not None and self.cache.has_pending_loads()
@@ -172,7 +173,9 @@ class Scheduler:
                     # chunk below rather than never (max_model_len leaves room for a whole
                     # verify chunk, max_request_tokens(K): only pages the cache cannot give
                     # back yet leave it short; its draws then differ from a roomier pool's).
+                    # Admission below keeps the pages it lacks free.
                     wait = True
+                    waiting_for += self.memory.shortfall(req, n)
                     break
                 k = 0 if fixed and victim is not req else self._largest_fit(req, n)
                 if k:
@@ -203,7 +206,7 @@ class Scheduler:
         reserve = None  # O(running): worked out only when someone may be admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if reserve is None:
-                reserve = self._growth_reserve(batch)
+                reserve = self._growth_reserve(batch) + waiting_for
             req = self.waiting[0]
             n = self._admit(req, budget, reserve)
             if n is None:

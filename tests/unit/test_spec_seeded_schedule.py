@@ -44,14 +44,17 @@ def _decoding(sched: Scheduler, rid: str, prompt_len: int, params: SamplingParam
 
 
 def test_newest_seeded_request_waits_for_pages_instead_of_preempting_itself():
-    sched = _scheduler(num_pages=1 + 14)  # 14 usable pages
+    sched = _scheduler(num_pages=1 + 15)  # 15 usable pages
     _decoding(sched, "old", 6, GREEDY)  # 7 pages (its next position too), new 6
     new = _decoding(sched, "new", 6, SEEDED)
-    new.draft_token_ids = [3, 4, 5]  # a 4-token verify: 4 more pages where 1 is free
+    new.draft_token_ids = [3, 4, 5]  # a 4-token verify: 4 more pages where 2 are free
+    late = Request("late", [2], GREEDY, 50)  # would fit in those 2 (1 page + old's next)
+    sched.add(late)
     batch = sched.schedule()
     assert [r.request_id for r in batch.requests] == ["old"]
     assert not batch.preempted and new.status is RequestStatus.RUNNING
     assert new.draft_token_ids == [3, 4, 5] and new.num_computed_tokens == 6
+    assert late.status is RequestStatus.WAITING  # admission keeps new's shortfall free
     sched.memory.check_integrity()
 
 
