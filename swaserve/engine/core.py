@@ -34,7 +34,7 @@ from swaserve.models.blocks import head_dim_of, layer_windows
 from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
-from swaserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from swaserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow, row_argmax
 from swaserve.speculative.dflash_proposer import DFlashProposer
 from swaserve.speculative.dflash_setup import build_proposer, dflash_setup
 from swaserve.speculative.metrics import SpecStats
@@ -71,6 +71,13 @@ class _Launched:
 def _needs_history(p: SamplingParams) -> bool:
     """Penalties read the values of earlier output tokens (placeholders have none)."""
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """The request's token is always the raw logits' argmax, with no logprobs: what the
+    sampler would do for its row (no row need be built)."""
+    return (p.greedy and p.logprobs is None and p.min_tokens == 0
+            and not _needs_history(p))
 
 
 def _seeded_sampling(p: SamplingParams) -> bool:
@@ -243,6 +250,7 @@ class EngineCore:
         self._inflight: _Launched | None = None
         self._num_history_requests = 0  # live requests whose sampling reads token values
         self._num_seeded_sampling = 0  # live seeded sampling requests: they always draft
+        self._num_not_plain = 0  # live requests whose token is not plainly the argmax
         self._pinned: list[torch.Tensor | None] = [None, None]  # alternating host buffers
         self._pinned_turn = 0
         log.info(  # pages_total as memory_stats() counts it: without the NULL page
@@ -478,6 +486,7 @@ class EngineCore:
         self.requests[request_id] = req
         self._num_history_requests += _needs_history(params)
         self._num_seeded_sampling += _seeded_sampling(params)
+        self._num_not_plain += not _plain_greedy(params)
         self.scheduler.add(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -490,6 +499,7 @@ class EngineCore:
         if self.requests.pop(req.request_id, None) is not None:
             self._num_history_requests -= _needs_history(req.params)
             self._num_seeded_sampling -= _seeded_sampling(req.params)
+            self._num_not_plain -= not _plain_greedy(req.params)
 
     def has_unfinished(self) -> bool:
         """Requests queued or running, or a launched step whose tokens are not out yet."""
@@ -587,7 +597,10 @@ class EngineCore:
         if self.spec is not None and any(r.draft_token_ids for r in samplers):
             verified = self.spec.sample(logits, samplers)
             return _Launched(samplers, [], None, None, None, None, verified)
-        sampled = self.sampler(logits, [self._row(r) for r in samplers])
+        if self._num_not_plain:
+            sampled = self.sampler(logits, [self._row(r) for r in samplers])
+        else:  # the sampler's own shortcut, without a row per request (host time per step)
+            sampled = SamplerOutput(token_ids=row_argmax(logits))
         slots = []
         for req in samplers:
             slots.append(len(req.output_token_ids))

@@ -154,7 +154,7 @@ class Scheduler:
                 continue
             if decoding is not None and _decoding(req) and id(req) not in decoding:
                 continue  # past the decode cap: the next step
-            end = self._chunk_end(req)
+            end = self._chunk_end(req) if self.speculative else req.num_tokens_with_drafts
             n = min(end - req.num_computed_tokens, budget)
             # A verify chunk [last, drafts] cut short verifies fewer drafts, which changes a
             # seeded request's draws: such a request waits for a step with room instead (its
