@@ -3,10 +3,11 @@ request decoding greedily, each engine step timed by phase on the host, and the 
 of the drafter's graph and the target's verify (or decode) graph from CUDA events around
 their replays. Speculation off runs the same request for the baseline.
 
-Phases (host, ms a step): decide+propose (the drafter: its inputs, graph replay, and the
-read-back of its drafts, one device sync), schedule, verify (the target's verify graph:
-inputs and replay), sample (acceptance on the device, then the step's one read-back: waits
-for the verify graph), resolve/commit, retire, and the rest of `EngineCore.step`.
+Phases (host, ms a step): decide+propose (the drafter: its inputs and graph replay; the
+drafts stay on the device, or before 2026-12-04's change were read back here, one device
+sync), schedule, verify (the target's verify graph: inputs and replay), sample (acceptance
+on the device, then the step's one read-back: waits for the drafter and verify graphs),
+resolve/commit, retire, and the rest of `EngineCore.step`.
 
 `--load-format dummy` times the same step shapes without the target's weights (acceptance is
 then ~0: every step commits one token; the step's work is the same).

@@ -130,3 +130,18 @@ def check_integrity_every_step(engine):
 
     engine.core.step = checked_step
     return engine
+
+
+def on_dflash_proposals(proposer, record) -> None:
+    """Call record(request, drafts) for each request of every DFlash proposal, whether the
+    engine keeps the drafts on the device or reads them back (both paths go through
+    `propose_on_device`); the drafts come to the host here, a sync the engine does not make."""
+    device = proposer.propose_on_device
+
+    def wrapped(reqs, ks, memory, kv):
+        ids = device(reqs, ks, memory, kv)
+        for req, k, row in zip(reqs, ks, ids.tolist(), strict=True):
+            record(req, row[:k])
+        return ids
+
+    proposer.propose_on_device = wrapped

@@ -194,20 +194,17 @@ def record_drafts(eng: Engine) -> dict[tuple[int, ...], list[int]]:
     """Every DFlash proposal of `eng` from now on: the request's tokens through its last one
     (committed, not yet run) -> its drafts. The same tokens proposed again (a request
     recomputed after preemption, a prompt seen before) must give the same drafts."""
+    from tests.helpers import on_dflash_proposals
+
     seen: dict[tuple[int, ...], list[int]] = {}
-    proposer = eng.core.spec.dflash
-    propose = proposer.propose
 
-    def recorded(reqs, ks, memory, kv):
-        drafts = propose(reqs, ks, memory, kv)
-        for req, got in zip(reqs, drafts, strict=True):
-            key = tuple(req.tokens(0, req.num_computed_tokens + 1))
-            had = seen.setdefault(key, got)
-            n = min(len(had), len(got))
-            assert had[:n] == got[:n], f"drafts after {len(key)} tokens: {had} then {got}"
-        return drafts
+    def recorded(req, got: list[int]) -> None:
+        key = tuple(req.tokens(0, req.num_computed_tokens + 1))
+        had = seen.setdefault(key, got)
+        n = min(len(had), len(got))
+        assert had[:n] == got[:n], f"drafts after {len(key)} tokens: {had} then {got}"
 
-    proposer.propose = recorded
+    on_dflash_proposals(eng.core.spec.dflash, recorded)
     return seen
 
 

@@ -228,6 +228,9 @@ class EngineCore:
             self.spec = Speculation(config, self.sampler, self.max_model_len, self.memory,
                                     self.kv, self._dflash_proposer())
             self.scheduler.speculative = True
+            # DFlash drafts stay on the device in one process (tensor-parallel workers and
+            # expert-parallel ranks take a step's token ids from the host)
+            self.spec.on_device = self.parallel is None and self.ep is None
         if self.ep is not None:
             self._start_decode_workspace()
         # A PD prefill instance reads a sample's generator right after its one draw: no overlap.
@@ -532,7 +535,7 @@ class EngineCore:
         if self._inflight is not None and (self._num_history_requests or drafting):
             outputs += self._resolve()
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
+            self.spec.propose(self.scheduler.running, self._num_history_requests > 0)
         batch = self.scheduler.schedule()
         if self.cache is not None:
             self.cache.move_pages()  # host loads/stores, then copy-on-write: before any forward
@@ -570,9 +573,13 @@ class EngineCore:
         """Enqueue forward + sampling of one batch; nothing here waits for the device."""
         samplers, rows = self._sampling_rows(batch)
         fill = self._device_tokens(batch)
+        if self.spec is not None and self.spec.device_drafts is not None:
+            # a step that drafts read the one in flight back first: never both
+            assert fill is None, "device drafts beside tokens in flight"
+            fill = self.spec.draft_fill(batch.requests, batch.num_new_tokens)
         logits = self.runner.decode_logits(batch, self.memory, fill)
         if logits is None and self.spec is not None:
-            logits = self.runner.verify_logits(batch, self.memory)
+            logits = self.runner.verify_logits(batch, self.memory, fill)
         if logits is None:
             fb = self.runner.prepare(batch, self.memory, fill)
             hidden = self.runner.forward(fb)

@@ -255,6 +255,7 @@ class DecodeGraphs:
         chunks: list[list[int]],  # per request: 1..q token ids from its next position on
         starts: list[int],  # per request: the position of its first token
         tables: list[np.ndarray],  # per group [n, W] int32, zero-padded (table_arrays)
+        fill: DeviceTokens | None = None,  # token ids on the device (packed: see in_chunks)
     ) -> torch.Tensor:
         """Logits `[n, q, vocab]` (float32) of one step where request r computes chunks[r] at
         positions starts[r].. (rows past len(chunks[r]) are padding: drop them)."""
@@ -270,6 +271,8 @@ class DecodeGraphs:
         head = torch.tensor([ids, pos], dtype=torch.int64)
         t = bs * q
         self.input_ids[:t].copy_(head[0], non_blocking=True)
+        if fill is not None:
+            fill.in_chunks([len(c) for c in chunks], q).apply(self.input_ids)
         self.positions[:t].copy_(head[1], non_blocking=True)
         caps = self.want(n, max(seq))
         lens = torch.tensor(caps + seq + [q] * (bs - n), dtype=torch.int32)

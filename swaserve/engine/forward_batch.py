@@ -3,6 +3,8 @@ by `ModelRunner.prepare` (the one conversion from the scheduler's CPU-side batch
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +37,8 @@ class ForwardBatch:
 @dataclass
 class DeviceTokens:
     """Input ids that exist only on the device: `input_ids[dst[i]] = ids[rows[i]]`, where
-    `ids` are the sampled tokens of the step still in flight (the overlap schedule)."""
+    `ids` are the sampled tokens of the step still in flight (the overlap schedule) or a
+    step's DFlash drafts (engine/speculation.py). `dst` indexes the step's packed tokens."""
 
     dst: list[int]
     rows: list[int]
@@ -46,3 +49,13 @@ class DeviceTokens:
             input_ids.device, non_blocking=True
         )
         input_ids[idx[0]] = self.ids[idx[1]]
+
+    def in_chunks(self, lengths: list[int], q: int) -> DeviceTokens:
+        """The same for input ids laid out as one row of `q` per request (request r's
+        `lengths[r]` tokens first: a verify graph's), instead of packed."""
+        starts = list(itertools.accumulate(lengths, initial=0))
+        dst = []
+        for d in self.dst:
+            r = bisect.bisect_right(starts, d) - 1
+            dst.append(r * q + d - starts[r])
+        return DeviceTokens(dst, self.rows, self.ids)

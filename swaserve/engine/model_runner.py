@@ -54,7 +54,9 @@ class ModelRunner:
             self.context_stored = g.after is not None
         return logits
 
-    def verify_logits(self, batch: ScheduledBatch, memory: MemoryManager) -> torch.Tensor | None:
+    def verify_logits(
+        self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None
+    ) -> torch.Tensor | None:
         """Speculative decoding: the logits of each request's verify rows, packed in batch
         order ([sum(K_r + 1), vocab]), through a captured graph of `q` tokens per request; None
         when the step does not qualify (a prefill chunk in it, a chunk longer than q, too many
@@ -72,6 +74,7 @@ class ModelRunner:
             [r.tokens(r.num_computed_tokens, r.num_computed_tokens + n) for r, n in zip(reqs, ns)],
             [r.num_computed_tokens for r in reqs],
             memory.table_arrays([r.request_id for r in reqs]),
+            fill,
         )
         if self.keep:
             self.kept = g.kept_rows(list(ns))

@@ -15,6 +15,14 @@ Draft length. K_r = min(K, the step's token budget - 1, max_tokens - outputs - 1
 left - 1): a function of the request alone, so a seeded request's draws never depend on
 the batch (the scheduler runs its whole chunk or waits).
 
+DFlash drafts stay on the device when nothing needs their values on the host first
+(`on_device`: one process, and no live request with penalties, which read the tokens before
+each verify row): the request holds placeholders of its k drafts, the forward's input ids
+take the values on the device (`draft_fill`, as the overlap schedule fills the tokens of the
+step in flight), `verify_drafts` reads them there, and the host learns the accepted ones from
+the verify's one read-back. So the host prepares the verify while the drafter runs, with no
+sync between them.
+
 The overlap schedule is off for steps that draft: the next step's chunk depends on how many
 drafts this one accepted, known only once its tokens are back on the host, and a drafter needs
 the last token's value. Steps where no request drafts (the gate turned drafting off at this
@@ -30,7 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from swaserve.engine.request import Request
+from swaserve.engine.forward_batch import DeviceTokens
+from swaserve.engine.request import PLACEHOLDER, Request
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager
 from swaserve.sampling.logprobs import compute_logprobs
@@ -63,6 +72,15 @@ def num_draft_tokens(config, dflash: DFlashConfig | None = None) -> int:
     else:
         raise ValueError(f"--speculative-algorithm {algo}: not available in this build")
     return min(k, config.max_num_batched_tokens - 1)
+
+
+@dataclass
+class DeviceDrafts:
+    """A step's DFlash drafts on the device: request r's are ids[rows[id(r)], :k_r], where it
+    holds k_r placeholders (the scheduler may cut them to fewer)."""
+
+    ids: Tensor  # [R, B - 1]
+    rows: dict[int, int]
 
 
 @dataclass
@@ -99,6 +117,10 @@ class Speculation:
         self.max_model_len = max_model_len
         self.memory, self.kv = memory, kv
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}  # request -> (tokens, count)
+        # DFlash drafts may stay on the device (module docstring): set by the engine when it
+        # runs in one process; `device_drafts` holds this step's
+        self.on_device = False
+        self.device_drafts: DeviceDrafts | None = None
 
     # ---- before the step ------------------------------------------------------------------
 
@@ -112,10 +134,13 @@ class Speculation:
         self.step_forced = seeded_sampling
         return self.step_drafts or seeded_sampling
 
-    def propose(self, running: list[Request]) -> None:
+    def propose(self, running: list[Request], history: bool = False) -> None:
         """Drafts for the running requests in decode (the rest get none), as `decide` chose:
         all of them, or, where the gate measured that drafting loses at this batch size, only
-        seeded sampling requests (whose tokens must not depend on the batch: gate.py)."""
+        seeded sampling requests (whose tokens must not depend on the batch: gate.py).
+        `history`: a live request's sampling reads token values (DFlash drafts then come to
+        the host)."""
+        self.device_drafts = None
         for req in running:  # none keeps a draft it did not verify (the next step may overlap)
             req.draft_token_ids = []
         if not (self.step_drafts or self.step_forced):
@@ -140,10 +165,35 @@ class Speculation:
             tokens = arrays[req.request_id] = self._tokens_of(req)
             req.draft_token_ids = self.drafter.propose(tokens[0][: tokens[1]], k)
         self._arrays = arrays  # requests that left drop out here
-        if batch:
-            reqs, ks = [r for r, _ in batch], [k for _, k in batch]
-            for req, drafts in zip(reqs, self.dflash.propose(reqs, ks, self.memory, self.kv)):
-                req.draft_token_ids = drafts
+        if not batch:
+            return
+        reqs, ks = [r for r, _ in batch], [k for _, k in batch]
+        if self.on_device and not history:
+            ids = self.dflash.propose_on_device(reqs, ks, self.memory, self.kv)
+            for req, k in zip(reqs, ks):
+                req.draft_token_ids = [PLACEHOLDER] * k
+            self.device_drafts = DeviceDrafts(ids, {id(r): i for i, r in enumerate(reqs)})
+            return
+        for req, drafts in zip(reqs, self.dflash.propose(reqs, ks, self.memory, self.kv)):
+            req.draft_token_ids = drafts
+
+    def draft_fill(self, requests: list[Request], num_new_tokens: list[int]) -> DeviceTokens | None:
+        """The forward's input ids that are device drafts: a request's chunk [last, d_1..d_k]
+        at packed offset o holds draft i at o + i (None: no device drafts in the step)."""
+        dd = self.device_drafts
+        if dd is None:
+            return None
+        width = dd.ids.shape[1]
+        dst: list[int] = []
+        src: list[int] = []
+        offset = 0
+        for req, n in zip(requests, num_new_tokens):
+            row, k = dd.rows.get(id(req)), len(req.draft_token_ids)
+            if row is not None and k:
+                dst.extend(range(offset + 1, offset + 1 + k))
+                src.extend(range(row * width, row * width + k))
+            offset += n
+        return DeviceTokens(dst, src, dd.ids.reshape(-1)) if dst else None
 
     # ---- the gate's measurements (speculative/gate.py) -------------------------------------
 
@@ -197,7 +247,6 @@ class Speculation:
             target = self.sampler.target_logits(logits, rows)
         R, K, V = len(requests), max(ks), logits.shape[1]
         device = logits.device
-        draft_ids = [req.draft_token_ids + [0] * (K - k) for k, req in zip(ks, requests)]
         if all(k == K for k in ks):  # every request has K drafts: the rows are in place
             padded = target.view(R, K + 1, V)
         else:
@@ -210,7 +259,7 @@ class Speculation:
             padded = target[_to(torch.tensor(index), device).view(-1)].view(R, K + 1, V)
         out = verify_drafts(
             padded,
-            _to(torch.tensor(draft_ids, dtype=torch.long).view(R, K), device),
+            self._draft_ids(requests, ks, K, device),
             ks,
             [r.params.greedy for r in requests],
             generators=[r.generator for r in requests],
@@ -236,6 +285,17 @@ class Speculation:
                 logprobs.append([(chosen_l[i], ranks[i], top_ids[i], top_lps[i]) for i in rows_r])
                 start += k + 1
         return Verified(committed, ks, logprobs)
+
+
+    def _draft_ids(self, requests: list[Request], ks: list[int], K: int,
+                   device: torch.device) -> Tensor:
+        """[R, K] the requests' drafts on the device (past a request's own k: any value)."""
+        dd = self.device_drafts
+        if dd is not None:  # DFlash drafts a whole step's at once: all there or none
+            idx = torch.tensor([dd.rows.get(id(r), 0) for r in requests])
+            return dd.ids.index_select(0, _to(idx, dd.ids.device))[:, :K]
+        rows = [req.draft_token_ids + [0] * (K - k) for k, req in zip(ks, requests)]
+        return _to(torch.tensor(rows, dtype=torch.long).view(len(requests), K), device)
 
 
 def _plain_greedy(req: Request) -> bool:

@@ -28,9 +28,12 @@ graphs: `ModelRunner.keep`/`kept`).
 On the decode and verify CUDA graph paths `store_context_in_graph` runs inside the graph (no
 host work); eager and piecewise steps call `store_context`.
 
+The drafts stay on the device (`propose_on_device`; engine/speculation.py fills the verify's
+input ids from them) unless the host needs their values first (`propose`: one sync, under
+tensor or expert parallelism, or when a live request has a penalty).
+
 Partial (written down, not hidden): attention in torch over gathered contexts (not the paged
-kernel; a graph's width is padded to a power of two), and the drafts read back with one extra
-device sync per step (its host-to-device copies do not wait for the stream).
+kernel; a graph's width is padded to a power of two).
 """
 
 from __future__ import annotations
@@ -139,12 +142,21 @@ class DFlashProposer:
 
     # ---- before a step --------------------------------------------------------------------
 
-    @torch.inference_mode()
     def propose(
         self, requests: list[Request], ks: list[int], memory: MemoryManager, kv: KVPool
     ) -> list[list[int]]:
-        """k drafts per request (requests in decode: committed up to num_computed_tokens):
-        one batched block forward per chunk of requests, one device-to-host copy in all."""
+        """k drafts per request (requests in decode: committed up to num_computed_tokens) on
+        the host: `propose_on_device`, then one device-to-host copy."""
+        rows = self.propose_on_device(requests, ks, memory, kv).tolist()
+        return [row[:k] for row, k in zip(rows, ks, strict=True)]
+
+    @torch.inference_mode()
+    def propose_on_device(
+        self, requests: list[Request], ks: list[int], memory: MemoryManager, kv: KVPool
+    ) -> Tensor:
+        """The drafts [R, B - 1] of the requests, left on the device (request r's first ks[r]
+        are its drafts): one batched block forward per chunk of requests, no sync. On CUDA
+        the tensor may be a graph's output buffer, valid until the drafter's next replay."""
         drafts: list[Tensor] = []
         i = 0
         while i < len(requests):
@@ -156,12 +168,11 @@ class DFlashProposer:
                 j += 1
             drafts.append(self._propose_chunk(requests[i:j], ks[i:j], memory, kv))
             i = j
+        if len(drafts) == 1:  # one chunk but for very long contexts
+            return drafts[0]
         if not drafts:
-            return []
-        # the drafts on the host: one sync per chunk (one chunk but for very long contexts);
-        # each chunk's rows are padded to its own largest k
-        rows = [row for chunk in drafts for row in chunk.tolist()]
-        return [row[:k] for row, k in zip(rows, ks, strict=True)]
+            return torch.empty(0, self.cfg.block_size - 1, dtype=torch.long, device=self.device)
+        return torch.cat(drafts)
 
     def _propose_chunk(
         self, requests: list[Request], ks: list[int], memory: MemoryManager, kv: KVPool

@@ -12,6 +12,7 @@ from swaserve import Engine, SamplingParams
 # The reference (25 kB, pure Python) is not on the GPU machine unless carried: skip, naming it,
 # rather than break the collection of tests/gpu.
 pytest.importorskip("dflash", reason="the dflash reference package (pip install --no-deps dflash)")
+from tests.helpers import on_dflash_proposals  # noqa: E402
 from tests.unit.test_dflash_engine import _prompts, _reference_drafts, models  # noqa: E402,F401
 
 pytestmark = [
@@ -34,15 +35,8 @@ def test_dflash_with_cuda_graphs_equals_reference(models):  # noqa: F811
     assert runner.graphs is not None and runner.piecewise is not None
     assert runner.verify_graphs is not None
     seen = []
-    propose = on.core.spec.dflash.propose
-
-    def recorded(reqs, ks, memory, kv):
-        drafts = propose(reqs, ks, memory, kv)
-        seen.extend((r.tokens(0, r.num_tokens), r.num_computed_tokens, d)
-                    for r, d in zip(reqs, drafts))
-        return drafts
-
-    on.core.spec.dflash.propose = recorded
+    on_dflash_proposals(on.core.spec.dflash, lambda r, d: seen.append(
+        (r.tokens(0, r.num_tokens), r.num_computed_tokens, d)))
     got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     on.core.memory.check_integrity()
     assert [g.token_ids for g in got] == [w.token_ids for w in want]

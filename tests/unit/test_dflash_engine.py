@@ -22,7 +22,7 @@ from dflash.model import _draft_value, _raw_input_embeddings
 
 from swaserve import Engine, SamplingParams
 from swaserve.speculative.dflash_graphs import DrafterGraphs
-from tests.helpers import check_integrity_every_step
+from tests.helpers import check_integrity_every_step, on_dflash_proposals
 from tests.unit.test_dflash_reference import MASK, _reference, _target
 
 PAGE = 4
@@ -87,17 +87,11 @@ def test_drafts_equal_reference_and_outputs_lossless(models, pool):
         proposer.graphs = DrafterGraphs(proposer, on.core.kv, 4, on.core.max_model_len)
         assert proposer.graphs.shapes and not proposer.graphs.graphs
     seen: list[tuple[list[int], int, list[int]]] = []
-    propose = proposer.propose
-
-    def recorded(reqs, ks, memory, kv):
-        drafts = propose(reqs, ks, memory, kv)
-        for r, k, d in zip(reqs, ks, drafts):
-            seen.append((r.tokens(0, r.num_tokens), r.num_computed_tokens, d))
-            assert len(d) == k
-        return drafts
-
-    proposer.propose = recorded
+    on_dflash_proposals(proposer, lambda r, d: seen.append(
+        (r.tokens(0, r.num_tokens), r.num_computed_tokens, d)))
+    fills = _count_draft_fills(on)
     got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert fills[0] > 0  # the drafts stayed on the device, into the verify's input ids
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
@@ -110,6 +104,35 @@ def test_drafts_equal_reference_and_outputs_lossless(models, pool):
     assert accepted > 0
     if pool == "tight":  # the drafter's context is recomputed with the target's
         assert on.core.scheduler.num_preemptions > 0
+
+
+def _count_draft_fills(engine: Engine) -> list[int]:
+    """[n]: steps whose input ids took drafts on the device (Speculation.draft_fill)."""
+    spec, count = engine.core.spec, [0]
+    fill = spec.draft_fill
+
+    def counted(*a):
+        out = fill(*a)
+        count[0] += out is not None
+        return out
+
+    spec.draft_fill = counted
+    return count
+
+
+def test_drafts_come_to_the_host_for_penalties(models):
+    """A live request with a penalty reads its drafts' values before each verify row: the
+    step's drafts come to the host, and outputs still equal speculation off."""
+    target_dir, drafter_dir = models[:2]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=0.5)
+    prompts = _prompts()[:2]
+    want = _engine(target_dir, None).generate(prompt_token_ids=prompts, sampling_params=params,
+                                              use_tqdm=False)
+    on = _engine(target_dir, drafter_dir)
+    fills = _count_draft_fills(on)
+    got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert fills[0] == 0 and sum(o.spec_decoding["spec_verify_ct"] for o in got) > 0
 
 
 def test_bad_dflash_setups_are_clear_errors(models, tmp_path):
@@ -150,3 +173,16 @@ def test_dflash_with_fp8_kv(models):
                                                              w.outputs[0].logprobs))
         assert d < 0.25, d  # measured 0.09 on these random tiny models
     assert sum(o.spec_decoding["spec_accepted_drafts"] for o in got) > 0
+
+
+def test_device_tokens_in_chunks():
+    """Packed positions of a step's tokens -> a verify graph's rows of q per request."""
+    from swaserve.engine.forward_batch import DeviceTokens
+
+    ids = torch.arange(100, 112)
+    # chunks of 3, 1 and 4 tokens: packed 0-2, 3, 4-7; drafts at packed 1, 2 and 5, 6, 7
+    fill = DeviceTokens([1, 2, 5, 6, 7], [0, 1, 4, 5, 6], ids).in_chunks([3, 1, 4], q=5)
+    assert fill.dst == [1, 2, 11, 12, 13]
+    input_ids = torch.zeros(15, dtype=torch.long)
+    fill.apply(input_ids)
+    assert input_ids.tolist() == [0, 100, 101] + [0] * 8 + [104, 105, 106] + [0]

@@ -139,7 +139,7 @@ def _recording(core) -> dict:
     `ep.guard`: the agreement, every MoE layer's exchange) inside a drafter call."""
     seen: dict = {}
     proposer, ep = core.spec.dflash, core.ep
-    propose = proposer.propose
+    propose = proposer.propose_on_device  # the host and the device paths both come here
     inside = [False]
     if ep is not None:
         guard = ep.guard
@@ -153,14 +153,14 @@ def _recording(core) -> dict:
     def recorded(reqs, ks, memory, kv):
         inside[0] = True
         try:
-            drafts = propose(reqs, ks, memory, kv)
+            ids = propose(reqs, ks, memory, kv)
         finally:
             inside[0] = False
-        for r, d in zip(reqs, drafts):
-            seen.setdefault(r.request_id, []).append((r.num_computed_tokens, d))
-        return drafts
+        for r, k, d in zip(reqs, ks, ids.tolist()):
+            seen.setdefault(r.request_id, []).append((r.num_computed_tokens, d[:k]))
+        return ids
 
-    proposer.propose = recorded
+    proposer.propose_on_device = recorded
     return seen
 
 

@@ -28,6 +28,7 @@ from swaserve import SamplingParams
 from swaserve.distributed.layers import shard_drafter
 from swaserve.distributed.parallel_state import TPGroup
 from swaserve.speculative.dflash_model import DFlashDrafter, load_dflash_drafter
+from tests.helpers import on_dflash_proposals
 from tests.unit.test_dflash_engine import _engine, _prompts
 from tests.unit.test_dflash_reference import MASK, _reference, _target
 
@@ -66,16 +67,8 @@ def test_drafter_shards_are_slices_of_the_full_tensors(folders):
 def _recording(engine) -> list:
     """Every (committed tokens, c, drafts) rank 0's proposer returns, in order."""
     seen: list = []
-    proposer = engine.core.spec.dflash
-    propose = proposer.propose
-
-    def recorded(reqs, ks, memory, kv):
-        drafts = propose(reqs, ks, memory, kv)
-        seen.extend([(r.tokens(0, r.num_tokens), r.num_computed_tokens, d)
-                     for r, d in zip(reqs, drafts)])
-        return drafts
-
-    proposer.propose = recorded
+    on_dflash_proposals(engine.core.spec.dflash, lambda r, d: seen.append(
+        (r.tokens(0, r.num_tokens), r.num_computed_tokens, d)))
     return seen
 
 
