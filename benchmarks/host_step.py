@@ -9,8 +9,8 @@ for many tokens (EOS ignored), all admitted and decoding before the timed steps.
 moves, launch (batch building, the forward, sampling), the forward alone (inside launch),
 resolve (read-back and commit), retire. Prints ms per step and us per running request.
 
-Usage: python benchmarks/host_step.py [--requests 512] [--steps 50] [--spec ngram]
-       [--profile 30]   (cProfile of that many steps: the top functions by own time)
+Usage: python benchmarks/host_step.py [--requests 512] [--steps 50] [--spec ngram [--gate-off]]
+       [--overlap] [--profile 30]   (cProfile of that many steps: the top functions by own time)
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=50, help="timed steps")
     ap.add_argument("--spec", choices=["ngram"], default=None)
+    ap.add_argument("--gate-off", action="store_true",
+                    help="with --spec: the gate keeps drafting off (what speculation costs "
+                    "when it does not draft)")
     ap.add_argument("--overlap", action="store_true", help="keep the overlap schedule on")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumtime")
@@ -66,6 +69,15 @@ def main() -> None:
     params = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
     for i in range(n):
         core.add_request(f"r{i}", [rng.randrange(3, 256) for _ in range(args.prompt)], params)
+    if args.gate_off:
+        class Off:  # the gate's verdict at every batch size: drafting loses
+            def choose(self, batch_size: int) -> bool:
+                return False
+
+            def record(self, *a) -> None:
+                pass
+
+        core.spec.gate = Off()
     while len(core.scheduler.running) < n or core.scheduler.waiting:
         core.step()
     for _ in range(5):
@@ -94,7 +106,8 @@ def main() -> None:
         pstats.Stats(prof).sort_stats(args.sort).print_stats(40)
 
     ms = 1e3 / args.steps
-    print(f"{n} running requests, {args.steps} steps, spec {args.spec}, overlap {args.overlap}")
+    print(f"{n} running requests, {args.steps} steps, spec {args.spec} (gate off: "
+          f"{args.gate_off}), overlap {args.overlap}")
     print("| phase | ms/step | us/request |")
     print("|---|---|---|")
     for phase in PHASES:
