@@ -172,6 +172,7 @@ def main() -> None:
         print(f"  dflash{i}{', gated' + str(i) if args.gated else ''}: {d or 'shipped'}")
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "spec_profile.json"), "w") as f:
             json.dump(rows, f, indent=1)
 
