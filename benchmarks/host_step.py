@@ -7,7 +7,8 @@ A tiny random Llama (1 layer, hidden 32) in float32; N requests of P-token promp
 for many tokens (EOS ignored), all admitted and decoding before the timed steps. Each phase of
 `EngineCore.step` is timed on the host (step_profile's `host_timer`): drafting, schedule, page
 moves, launch (batch building, the forward, sampling), the forward alone (inside launch),
-resolve (read-back and commit), retire. Prints ms per step and us per running request.
+resolve (read-back and commit), retire. Prints ms per step and us per running request, and the
+garbage collector's time in the timed steps (engine/gc_heap.py).
 
 Usage: python benchmarks/host_step.py [--requests 512] [--steps 50] [--spec ngram [--gate-off]]
        [--overlap] [--profile 30]   (cProfile of that many steps: the top functions by own time)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import random
 import sys
@@ -93,10 +95,22 @@ def main() -> None:
     host_timer(host, core.runner, "forward", "forward")
     host_timer(host, core, "_resolve", "resolve")
     host_timer(host, core.scheduler, "retire", "retire")
+    collections = {"s": 0.0, "n": 0, "full": 0, "t": 0.0}
+
+    def on_gc(phase: str, info: dict) -> None:  # the collector's time in the timed steps
+        if phase == "start":
+            collections["t"] = time.perf_counter()
+        else:
+            collections["s"] += time.perf_counter() - collections["t"]
+            collections["n"] += 1
+            collections["full"] += info["generation"] == 2
+
+    gc.callbacks.append(on_gc)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         core.step()
     wall = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
@@ -116,6 +130,15 @@ def main() -> None:
     print(f"| launch minus forward | {(host['launch'] - host['forward']) * ms:.2f} | "
           f"{(host['launch'] - host['forward']) * ms * 1e3 / n:.2f} |")
     print(f"| step (wall) | {wall * ms:.2f} | {wall * ms * 1e3 / n:.2f} |")
+    print(f"garbage collector: {collections['s'] * ms:.2f} ms a step, {collections['n']} "
+          f"collections ({collections['full']} full); a full collection now "
+          f"{_full_collection_ms():.1f} ms ({gc.get_freeze_count()} objects frozen at start)")
+
+
+def _full_collection_ms() -> float:
+    t = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - t) * 1e3
 
 
 if __name__ == "__main__":

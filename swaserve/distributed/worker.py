@@ -41,6 +41,7 @@ from swaserve.distributed.step_wire import (
     STOP,
     StepWire,
 )
+from swaserve.engine.gc_heap import freeze_startup_heap
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.memory.host_cache import PageMover, config_tiers
 
@@ -206,6 +207,7 @@ def serve_steps(
     mover: PageMover | None = None,
 ) -> None:
     """Mirror rank 0's messages (step_wire.py) until STOP."""
+    freeze_startup_heap("tensor-parallel worker")
     fb = None  # the last FORWARD's batch: a CONTEXT stores the drafter's K/V of its tokens
     with torch.inference_mode():
         while True:

@@ -15,6 +15,7 @@ import torch
 from swaserve.attention import backend_class
 from swaserve.config import GRAPH_MAX_BS, EngineConfig
 from swaserve.engine.forward_batch import DeviceTokens
+from swaserve.engine.gc_heap import freeze_startup_heap
 from swaserve.engine.limits import (
     ContextLimit,
     check_model_len,
@@ -263,6 +264,7 @@ class EngineCore:
             num_pages * bytes_per_page / 1e9,
             [(g.kind, g.window, len(g.layers)) for g in self.layout.groups],
         )
+        freeze_startup_heap("engine core")  # last: full collections then skip all of it
 
     def _start_decode_workspace(self) -> None:
         """Expert parallelism: the fixed-shape MoE workspace of decode-only steps and the

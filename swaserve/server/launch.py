@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from swaserve.config import EngineConfig
+from swaserve.engine.gc_heap import freeze_startup_heap
 
 log = logging.getLogger("swaserve.server")
 WATCHDOG_PERIOD_S = 0.2
@@ -333,14 +334,19 @@ async def _main(
                 timeout_graceful_shutdown=2,
             )
         )
-        server.on_started = lambda: log.info(
-            "serving %s on http://%s:%d (engine core pid %s)%s",
-            state.model_name,
-            args.host,
-            args.port,
-            ", ".join(str(p.pid) for p in cores.procs),
-            f"; playground: http://{args.host}:{args.port}/" if args.playground else "",
-        )
+
+        def on_started() -> None:
+            log.info(
+                "serving %s on http://%s:%d (engine core pid %s)%s",
+                state.model_name,
+                args.host,
+                args.port,
+                ", ".join(str(p.pid) for p in cores.procs),
+                f"; playground: http://{args.host}:{args.port}/" if args.playground else "",
+            )
+            freeze_startup_heap("frontend")  # streams allocate per token from now on
+
+        server.on_started = on_started
         watchdog = asyncio.get_running_loop().create_task(
             _watchdog(cores, clients, client, server)
         )
