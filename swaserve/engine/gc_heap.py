@@ -20,14 +20,15 @@ log = logging.getLogger(__name__)
 
 
 def freeze_startup_heap(what: str) -> None:
-    """Collect once, then move every object alive into the collector's permanent generation
-    (`gc.freeze`): later collections skip them. Objects frozen by an earlier call (another
-    engine started before in this process) are unfrozen first, so that this collection
-    reclaims what that one left behind; a frozen object that becomes cyclic garbage is only
-    reclaimed at such a call."""
+    """Move every object alive into the collector's permanent generation (`gc.freeze`): later
+    collections skip them. The first call in a process collects first; later ones (more
+    engines in one process: tests, notebooks) only freeze what is new, since a full
+    collection of a large heap at every engine start cost more than it saves (a frozen object
+    that becomes cyclic garbage stays; engines themselves hold no cycles and are freed by
+    reference counting when dropped)."""
     t = time.perf_counter()
-    gc.unfreeze()
-    gc.collect()
+    if not gc.get_freeze_count():
+        gc.collect()
     gc.freeze()
     log.debug("%s: %d start-up objects frozen for the garbage collector (%.0f ms)", what,
               gc.get_freeze_count(), (time.perf_counter() - t) * 1e3)
