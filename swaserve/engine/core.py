@@ -159,6 +159,7 @@ class EngineCore:
         )
         if ep is not None:
             ep.attach(self.model, tp)
+        greedy_head = None
         if self.device.type == "cuda" and not config.disable_fused_ops:
             from swaserve.ops import enable_fused_ops
 
@@ -171,6 +172,10 @@ class EngineCore:
             # the KV pool, so the one moment two copies of the vocabulary table exist stays
             # below the engine's steady resident memory
             pack_cpu_weights(self.model)
+            from swaserve.ops.greedy_head import greedy_head_for
+
+            # plain greedy steps: the head's argmax through a bfloat16 screen, exactly
+            greedy_head = greedy_head_for(self.model)
         self.eos_token_ids = eos_token_ids(folder, hf)
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
         if tp is not None:  # this rank's KV heads: its pool is sized for them
@@ -209,6 +214,7 @@ class EngineCore:
         )
         if self.parallel is None:
             self.runner = ModelRunner(self.model, self.kv, backend, self.device)
+            self.runner.greedy_head = greedy_head
         else:
             from swaserve.distributed.tp_runner import TPModelRunner
 
@@ -579,6 +585,7 @@ class EngineCore:
             # a step that drafts read the one in flight back first: never both
             assert fill is None, "device drafts beside tokens in flight"
             fill = self.spec.draft_fill(batch.requests, batch.num_new_tokens)
+        greedy_ids = None  # plain greedy tokens without logits (`_screened`)
         logits = self.runner.decode_logits(batch, self.memory, fill)
         if logits is None and self.spec is not None:
             logits = self.runner.verify_logits(batch, self.memory, fill)
@@ -589,7 +596,10 @@ class EngineCore:
                 # Not torch.tensor(rows, device=...): that copy blocks the host until the step
                 # in flight is done, which would undo the overlap.
                 idx = torch.tensor(rows).to(self.device, non_blocking=True)
-                logits = self.runner.logits(hidden[idx])
+                if self._screened(samplers):
+                    greedy_ids = self.runner.greedy_head.tokens(hidden[idx])
+                else:
+                    logits = self.runner.logits(hidden[idx])
             self._prompt_logprobs(batch, hidden)
         # DFlash: the drafter's context K/V of the tokens just computed (a graph stored them)
         if self.runner.keep and not self.runner.context_stored:
@@ -606,7 +616,9 @@ class EngineCore:
         if self.spec is not None and any(r.draft_token_ids for r in samplers):
             verified = self.spec.sample(logits, samplers)
             return _Launched(samplers, [], None, None, None, None, verified)
-        if self._num_not_plain:
+        if greedy_ids is not None:
+            sampled = SamplerOutput(token_ids=greedy_ids)
+        elif self._num_not_plain:
             sampled = self.sampler(logits, [self._row(r) for r in samplers])
         else:  # the sampler's own shortcut, without a row per request (host time per step)
             sampled = SamplerOutput(token_ids=row_argmax(logits))
@@ -616,6 +628,13 @@ class EngineCore:
             req.output_token_ids.append(PLACEHOLDER)
         host, host_lps, event = self._copy_to_host(sampled)
         return _Launched(samplers, slots, sampled, host, host_lps, event)
+
+    def _screened(self, samplers: list[Request]) -> bool:
+        """Whether this step's tokens come from the runner's screened greedy head (CPU,
+        swaserve/ops/greedy_head.py) in place of logits: every live request plain greedy (as
+        the `row_argmax` shortcut below) and no drafts to verify."""
+        return (self.runner.greedy_head is not None and not self._num_not_plain
+                and not (self.spec is not None and any(r.draft_token_ids for r in samplers)))
 
     def _copy_to_host(
         self, sampled: SamplerOutput

@@ -11,6 +11,7 @@ from swaserve.engine.forward_batch import DeviceTokens, ForwardBatch
 from swaserve.engine.scheduler import ScheduledBatch
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager
+from swaserve.ops.greedy_head import GreedyHead
 
 
 class ModelRunner:
@@ -30,6 +31,8 @@ class ModelRunner:
         self.kept: torch.Tensor | None = None
         # whether the last step's graphs also stored DFlash's context K/V (DecodeGraphs.after)
         self.context_stored = False
+        # CPU: exact greedy tokens of a step without its logits (ops/greedy_head.py), or None
+        self.greedy_head: GreedyHead | None = None
 
     def decode_logits(
         self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None
