@@ -37,7 +37,6 @@ import torch
 from swaserve.ops.cpu_linear import BATCH_HINT, PackedWeight
 
 _U = 2.0**-8  # bfloat16 unit roundoff (8 significant bits, round to nearest even)
-_ROWS_PER_CHUNK = 16_384  # rows of the table converted at a time at start-up
 _FINITE = 1e37  # |x| max|w| below this: no float32 or bfloat16 logit overflows
 # More candidates than this in a step (flat logits: random-token prompts give tens of
 # thousands at first) take the float32 head: ~4 us each to rescore (each a strided gather from
@@ -67,20 +66,16 @@ class GreedyHead:
             raise ValueError("GreedyHead needs a gatherable PackedWeight (its rows rescored)")
         self.exact = weight
         v, k = weight.shape
-        dense = torch.empty(v, k, dtype=torch.bfloat16)
-        max_norm = 0.0
-        for lo in range(0, v, _ROWS_PER_CHUNK):
-            rows = weight.rows(torch.arange(lo, min(v, lo + _ROWS_PER_CHUNK)))
-            max_norm = max(max_norm, float(rows.double().norm(dim=1).max()))
-            dense[lo : lo + rows.shape[0]] = rows
+        dense, max_norm = weight.converted(torch.bfloat16)
         self.screen = torch.ops.mkldnn._reorder_linear_weight(dense, BATCH_HINT)
         del dense
         g = _gamma(k)
         c = 2 * _U + _U * _U + g * (1 + _U) ** 2 + g
-        # margins: 1% on the factor (the norms below are float32), and an absolute term for
-        # the bfloat16 dot products' flushed denormals (each below 2^-126)
+        # a margin of 1% on the factor: the norms are float32 sums (off by ~K 2^-24)
         self._a_scale = c * 1.01 * max_norm
         self._max_norm = max_norm
+        # bfloat16 dot products flush denormal products and sums (each off by < 2^-126)
+        self._a_floor = (k + 1) * 2.0**-125
         self._b = _U / (1 - _U) * 1.01
         self.nbytes = v * k * 2
 
@@ -96,7 +91,7 @@ class GreedyHead:
         xn = x.double().norm(dim=1)
         if not bool((xn * self._max_norm < _FINITE).all()):  # also False for NaN rows
             return None
-        a = (xn * self._a_scale)[:, None]
+        a = (xn * self._a_scale + self._a_floor)[:, None]
         blocks, tail = _blocks(screen)
         m = _block_max(blocks)  # [T, nb] float64
         if tail.shape[1]:

@@ -62,6 +62,10 @@ def test_packed_rows_and_dense_are_exact(n, k):
     assert torch.equal(pw.rows(ids), F.embedding(ids, w))
     assert torch.equal(pw.rows(torch.tensor([n - 1, 0])), w[[n - 1, 0]])
     assert torch.equal(pw.dense(), w)
+    for dtype in (torch.float32, torch.bfloat16):
+        dense, norm = pw.converted(dtype)
+        assert torch.equal(dense, w.to(dtype))
+        assert norm == pytest.approx(float(w.double().norm(dim=1).max()), rel=1e-5)
     for bad in (n, -1):
         with pytest.raises(IndexError):
             pw.rows(torch.tensor([bad]))

@@ -105,7 +105,7 @@ def test_screen_error_is_within_the_bound():
         head = GreedyHead(_packed(w))
         screen = head.logits_screen(x).double()
         exact = x.double() @ w.double().t()
-        a = x.double().norm(dim=1, keepdim=True) * head._a_scale
+        a = x.double().norm(dim=1, keepdim=True) * head._a_scale + head._a_floor
         assert bool(((screen - exact).abs() <= a + head._b * screen.abs()).all())
 
 
