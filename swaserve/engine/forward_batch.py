@@ -27,6 +27,8 @@ class ForwardBatch:
     # hidden_states[i + 1]: the residual stream after layer i, final-normed for the last layer.
     keep_layers: frozenset[int] = frozenset()
     layer_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # per-step values layers share: rotary cos/sin by `Rotary.table_key` (ops/cpu_prologue.py)
+    rope_tables: dict = field(default_factory=dict)
 
     def keep(self, layer: int, stream: torch.Tensor, normed: torch.Tensor, last: bool) -> None:
         """Called by the model after each layer (cheap when nothing is kept)."""

@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma scales by (1 + w) (`unit_offset`), Llama by w."""
 
     fused = False
+    # CPU float32: the float32 factor for one torch.rms_norm (swaserve/ops/cpu_prologue.py)
+    cpu_scale: torch.Tensor | None = None
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
@@ -40,6 +42,8 @@ class RMSNorm(nn.Module):
             from swaserve.ops.rmsnorm import rmsnorm
 
             return rmsnorm(x, self)
+        if self.cpu_scale is not None:
+            return torch.rms_norm(x, (x.shape[-1],), self.cpu_scale, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -171,6 +175,8 @@ class Rotary(nn.Module):
         # Kept on the host in float32: the loader builds models on the meta device and restores
         # this buffer after materialising (`restore_buffers`), never in a low-precision dtype.
         self.inv_freq_host = inv_freq.float().cpu()
+        # layers whose rotary has the same key share one cos/sin table a step on the CPU path
+        self.table_key = (self.inv_freq_host.numpy().tobytes(), attention_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def restore_buffers(self, device: torch.device) -> None:
@@ -259,6 +265,10 @@ class Attention(nn.Module):
     # [(H + 2 Hkv) D, hidden] (and bias) on the fused path; q/k/v_proj parameters are row views.
     qkv_weight: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
+    # CPU float32 (swaserve/ops/cpu_prologue.py): q/k norms and rotary in a few ops, with the
+    # q and k norm factors stacked per head
+    cpu_prologue = False
+    cpu_qk_scale: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -308,6 +318,13 @@ class Attention(nn.Module):
         q and k and stored k and v (the GEMV's `RopeStore`, `gemv_rope_store`)."""
         s = self.spec
         kv_dim = s.num_kv_heads * s.head_dim
+        if self.cpu_prologue and not kv_stored:
+            from swaserve.ops.cpu_prologue import qk_prologue
+
+            q, k = qk_prologue(self, qkv, fb)
+            v = qkv[:, qkv.shape[1] - kv_dim :].view(-1, s.num_kv_heads, s.head_dim)
+            out = fb.backend.forward(q, k, v, s, self.sinks, fb)
+            return out.reshape(q.shape[0], s.num_heads * s.head_dim)
         q, k, v = qkv.split([s.num_heads * s.head_dim, kv_dim, kv_dim], dim=-1)
         return self._attend(positions, q, k, v, fb, kv_stored)
 

@@ -77,6 +77,9 @@ def pack_cpu_weights(model: nn.Module) -> int:
     packed += _pack_head(model)
     if packed:
         _trim_heap()
+        from swaserve.ops import cpu_prologue
+
+        cpu_prologue.enable(model)  # the norms and q/k prologue in few ops, same roundings
     return packed
 
 
