@@ -13,13 +13,13 @@ g = K 2^-24 / (1 - K 2^-24) the float32 dot product's, S = sum |x_i w_i| <= |x| 
 
     the screen (x, w rounded to bf16; products exact, sums in fp32):
         |y~ - y| <= (2u + u^2 + g (1 + u)^2) S
-    its output rounded to bf16:                 + u / (1 - u) |y~|
+    its output rounded to bf16:                 + 2u / (1 - 2u) |y~|  (nearest: half that)
     any float32 evaluation y^ of the same dot product (the reference):
         |y^ - y| <= g S
 
 With a = c |x| max|w| (c the sum of the S factors, with a margin), every token j whose
 float32 logit could be the largest has y~_j + a + b |y~_j| >= max_k (y~_k - a - b |y~_k|)
-(b = u / (1 - u)); the right side is at least m - a - b |m| for m = max y~, and the left is
+(b = 2u / (1 - 2u)); the right side is at least m - a - b |m| for m = max y~, and the left is
 increasing in y~_j, so the candidates are the y~_j at or above one threshold per row. A row
 whose screen is not finite (NaN or inf logits) takes the float32 head instead.
 
@@ -76,7 +76,9 @@ class GreedyHead:
         self._max_norm = max_norm
         # bfloat16 dot products flush denormal products and sums (each off by < 2^-126)
         self._a_floor = (k + 1) * 2.0**-125
-        self._b = _U / (1 - _U) * 1.01
+        # the output's rounding to bfloat16: u / (1 - u) |y~| to nearest; 2u / (1 - 2u) covers
+        # a kernel that truncates instead (not seen on this project's CPUs, cheap to allow)
+        self._b = 2 * _U / (1 - 2 * _U) * 1.01
         self.nbytes = v * k * 2
 
     def logits_screen(self, x: torch.Tensor) -> torch.Tensor:

