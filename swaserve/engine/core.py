@@ -585,7 +585,12 @@ class EngineCore:
             # a step that drafts read the one in flight back first: never both
             assert fill is None, "device drafts beside tokens in flight"
             fill = self.spec.draft_fill(batch.requests, batch.num_new_tokens)
-        greedy_ids = None  # plain greedy tokens without logits (`_screened`)
+        verifying = self.spec is not None and any(r.draft_token_ids for r in samplers)
+        # CPU: plain greedy tokens without logits (ops/greedy_head.py): every live request
+        # plain greedy (as the `row_argmax` shortcut below) and no drafts to verify
+        screened = (self.runner.greedy_head is not None and not self._num_not_plain
+                    and not verifying)
+        greedy_ids = None
         logits = self.runner.decode_logits(batch, self.memory, fill)
         if logits is None and self.spec is not None:
             logits = self.runner.verify_logits(batch, self.memory, fill)
@@ -596,7 +601,7 @@ class EngineCore:
                 # Not torch.tensor(rows, device=...): that copy blocks the host until the step
                 # in flight is done, which would undo the overlap.
                 idx = torch.tensor(rows).to(self.device, non_blocking=True)
-                if self._screened(samplers):
+                if screened:
                     greedy_ids = self.runner.greedy_head.tokens(hidden[idx])
                 else:
                     logits = self.runner.logits(hidden[idx])
@@ -613,7 +618,7 @@ class EngineCore:
         if not samplers:
             return _Launched(samplers, [], None, None, None, None)
         # a step without drafts samples as plain decoding does (same tokens, less host work)
-        if self.spec is not None and any(r.draft_token_ids for r in samplers):
+        if verifying:
             verified = self.spec.sample(logits, samplers)
             return _Launched(samplers, [], None, None, None, None, verified)
         if greedy_ids is not None:
@@ -628,13 +633,6 @@ class EngineCore:
             req.output_token_ids.append(PLACEHOLDER)
         host, host_lps, event = self._copy_to_host(sampled)
         return _Launched(samplers, slots, sampled, host, host_lps, event)
-
-    def _screened(self, samplers: list[Request]) -> bool:
-        """Whether this step's tokens come from the runner's screened greedy head (CPU,
-        swaserve/ops/greedy_head.py) in place of logits: every live request plain greedy (as
-        the `row_argmax` shortcut below) and no drafts to verify."""
-        return (self.runner.greedy_head is not None and not self._num_not_plain
-                and not (self.spec is not None and any(r.draft_token_ids for r in samplers)))
 
     def _copy_to_host(
         self, sampled: SamplerOutput

@@ -20,8 +20,9 @@ g = K 2^-24 / (1 - K 2^-24) the float32 dot product's, S = sum |x_i w_i| <= |x| 
 With a = c |x| max|w| (c the sum of the S factors, with a margin), every token j whose
 float32 logit could be the largest has y~_j + a + b |y~_j| >= max_k (y~_k - a - b |y~_k|)
 (b = 2u / (1 - 2u)); the right side is at least m - a - b |m| for m = max y~, and the left is
-increasing in y~_j, so the candidates are the y~_j at or above one threshold per row. A row
-whose screen is not finite (NaN or inf logits) takes the float32 head instead.
+increasing in y~_j, so the candidates are the y~_j at or above one threshold per row. Where a
+logit could overflow (|x| max|w| not small enough, NaN and inf rows included), the float32
+head decides instead.
 
 Used for steps whose every request is plain greedy (no logprobs, penalties or min_tokens) and
 without drafts to verify (`EngineCore._launch`); the rest computes the float32 logits. It holds
@@ -31,6 +32,8 @@ and a model that soft-caps its logits.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -65,7 +68,7 @@ class GreedyHead:
         if not weight.gatherable:
             raise ValueError("GreedyHead needs a gatherable PackedWeight (its rows rescored)")
         self.exact = weight
-        v, k = weight.shape
+        k = weight.shape[1]
         dense, max_norm = weight.converted(torch.bfloat16)
         self.screen = torch.ops.mkldnn._reorder_linear_weight(dense, BATCH_HINT)
         del dense
@@ -79,7 +82,6 @@ class GreedyHead:
         # the output's rounding to bfloat16: u / (1 - u) |y~| to nearest; 2u / (1 - 2u) covers
         # a kernel that truncates instead (not seen on this project's CPUs, cheap to allow)
         self._b = 2 * _U / (1 - 2 * _U) * 1.01
-        self.nbytes = v * k * 2
 
     def logits_screen(self, x: torch.Tensor) -> torch.Tensor:
         """The bfloat16 logits `[T, V]` of float32 rows `x` `[T, K]`."""
@@ -164,8 +166,6 @@ def greedy_head_for(model: torch.nn.Module) -> GreedyHead | None:
     """The screened head of a model whose float32 head `cpu_pack` packed (gatherable), or None:
     no AVX512-BF16, a dense or non-gatherable head, logits soft-capped after the head (Gemma's
     `final_softcap`: the screen bounds raw logits), or SWASERVE_GREEDY_SCREEN=0 (A/B runs)."""
-    import os
-
     from swaserve.models.blocks import head_module
 
     if os.environ.get("SWASERVE_GREEDY_SCREEN") == "0" or not screen_available():
