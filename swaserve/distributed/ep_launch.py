@@ -125,8 +125,9 @@ class PidWatch:
             self._read_new()
         for rank, pid in sorted(self.peers.items()):
             if _gone(pid):
-                return RankFailure(f"{process_name(rank, self.tp_size)} (pid {pid}) is gone"
-                                   + _CANNOT)  # fmt: skip
+                name = process_name(rank, self.tp_size)
+                return RankFailure(f"{name} (pid {pid}) is gone" + _CANNOT,
+                                   dp_rank=rank // self.tp_size)  # fmt: skip
         return None
 
     def explain(self) -> RankFailure | None:

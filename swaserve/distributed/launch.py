@@ -46,7 +46,15 @@ STOP_TIMEOUT_S = 5.0
 
 
 class RankFailure(RuntimeError):
-    """A tensor- or data-parallel rank died or failed; the engine cannot continue."""
+    """A tensor- or data-parallel rank died or failed; the engine cannot continue. `dp_rank`:
+    the data-parallel rank of a process found gone that is not this core's own child (a peer
+    core or its worker, watched by pid): how it ended is that core's to say, so the server
+    prefers its last words (server/launch.py `_first_gone`); None when the cause is first-hand
+    or unknown."""
+
+    def __init__(self, message: str, dp_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.dp_rank = dp_rank
 
 
 def ready_key(rank: int) -> str:

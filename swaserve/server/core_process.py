@@ -246,16 +246,17 @@ def main(argv: list[str] | None = None) -> int:
             from swaserve.disaggregation.core_loop import DisaggCoreLoop as loop_class
         loop_class(core, pipes).run()
         return 0
-    except Exception:
+    except Exception as e:
         tb = traceback.format_exc()
         log.error("engine core failed:\n%s", tb)
-        _last_words(pipes, tb)
+        _last_words(pipes, tb, getattr(e, "dp_rank", None))
         return 1
 
 
-def _last_words(pipes: CorePipes, message: str) -> None:
-    """Sends `dead` with `message`."""
-    pipes.out.send(encode([DEAD, message]))
+def _last_words(pipes: CorePipes, message: str, blames: int | None = None) -> None:
+    """Sends `dead` with `message` and the data-parallel rank it `blames` (RankFailure.dp_rank:
+    a peer found gone, whose own last words the server prefers), or None."""
+    pipes.out.send(encode([DEAD, message, blames]))
     pipes.out.close(2000)
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ Every message is a msgpack list whose first item is its kind:
     ["reject", [core_id, ...], message, status?]          an add the core refused (ValueError;
                                                           status 400), or a PD transfer that
                                                           failed (503)
-    ["dead", message]                                     the core's last words (a traceback,
+    ["dead", message, blames]                             the core's last words (a traceback,
                                                           or one line for a bad flag at start)
+                                                          and the peer data-parallel rank they
+                                                          say is gone (or None)
 
 `CoreClient` is the frontend half: it owns the `OutputProcessor` (detokenizing, stop strings),
 hands each user request's `RequestOutput`s to that request's asyncio queue, and never waits on
@@ -170,6 +172,7 @@ class CoreClient:
         self.info: dict | None = None  # the core's "ready" message
         self.stats: dict = {}  # latest core stats
         self.dead: str | None = None  # why the core is gone
+        self.blames: int | None = None  # the peer rank its last words say is gone (or None)
         self.ready = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -323,6 +326,7 @@ class CoreClient:
             self.ready.set()
         elif kind == DEAD:
             log.error("engine core reported a fatal error:\n%s", msg[1])
+            self.blames = msg[2] if len(msg) > 2 else None
             self.fail_all(msg[1].strip().splitlines()[-1] if msg[1].strip() else "unknown error")
             self.ready.set()  # wakes a startup waiting for "ready"
 

@@ -484,24 +484,30 @@ async def _startup_failure(
 def _first_gone(procs: list[subprocess.Popen], clients: list[Any]) -> tuple[int, str] | None:
     """(rank, why) of the first core gone: it reported a fatal error (last words), its process
     exited, or, on another node, its link was lost; one gone without last words (killed) first:
-    under expert parallelism the others' errors follow from it. `procs` are this node's (the
-    first ranks); the cores past them run on other nodes, len(procs) on each."""
-    gone = []
+    under expert parallelism the others' errors follow from it. Of those with last words, one
+    that blames a peer rank also gone comes after that peer's own (it knows how its worker
+    ended). `procs` are this node's (the first ranks); the cores past them run on other nodes,
+    len(procs) on each."""
+    gone = {}
     for rank, c in enumerate(clients):
         code = procs[rank].poll() if rank < len(procs) else None
         if c.dead is not None:
-            gone.append((True, rank, c.dead))
+            gone[rank] = (True, c.dead)
         elif code is not None:
-            gone.append((False, rank, f"engine core process {procs[rank].pid} "
-                         f"{_exit_reason(code)}"))  # fmt: skip
+            gone[rank] = (False, f"engine core process {procs[rank].pid} {_exit_reason(code)}")
         elif rank >= len(procs) and c.link_lost():
             node = rank // len(procs)
-            gone.append((False, rank, f"lost the link to its engine core on node {node}: its "
-                         "process or its machine is gone, or stopped answering"))  # fmt: skip
+            gone[rank] = (False, f"lost the link to its engine core on node {node}: its "
+                          "process or its machine is gone, or stopped answering")  # fmt: skip
     if not gone:
         return None
-    _, rank, why = min(gone)
-    return rank, why
+
+    def order(rank: int) -> tuple[bool, bool, int]:
+        blames = clients[rank].blames if gone[rank][0] else None
+        return gone[rank][0], blames != rank and blames in gone, rank
+
+    rank = min(gone, key=order)
+    return rank, gone[rank][1]
 
 
 async def _gone_settled(

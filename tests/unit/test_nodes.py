@@ -75,6 +75,11 @@ def test_pid_watch_names_a_local_peer_by_pid_and_remote_ranks_as_such():
     assert (watch.peers, watch.remote) == ({1: dead}, [2, 3])
     with pytest.raises(RuntimeError, match=rf"data-parallel rank 1 \(pid {dead}\) is gone"):
         raise watch.explain()
+    assert watch.explain().dp_rank == 1
+    # with -tp 2: world rank 3 is data-parallel rank 1's worker
+    failure = PidWatch({0: (0, me), 1: (0, me), 2: (0, me), 3: (0, dead)}, 0, tp_size=2).explain()
+    assert "data-parallel rank 1, tensor-parallel rank 1" in str(failure)
+    assert failure.dp_rank == 1
     # every peer here lives: the ranks on the other node are the failure; a remote rank's pid
     # (dead here) is never looked up on this machine
     watch = PidWatch({0: (1, me), 1: (1, me), 2: (0, dead), 3: (0, me)}, 1)
@@ -83,6 +88,31 @@ def test_pid_watch_names_a_local_peer_by_pid_and_remote_ranks_as_such():
     assert "expert-parallel group cannot continue" in str(failure)
     # one node: nothing to blame (the error is not a rank's death)
     assert PidWatch({0: (0, me), 1: (0, me)}, 0).explain() is None
+
+
+def test_the_server_names_the_blamed_cores_own_last_words():
+    """Rank 1's worker killed: rank 1's core says how (its child), rank 0's core only that rank
+    1 is gone. Whatever order their words arrive in, the server gives rank 1's; a core that
+    blames a rank still running (or itself) keeps its place."""
+    from types import SimpleNamespace
+
+    from swaserve.server.launch import _first_gone
+
+    running = SimpleNamespace(poll=lambda: None, pid=1)
+    procs = [running, running, running]
+
+    def core(dead=None, blames=None):
+        return SimpleNamespace(dead=dead, blames=blames, link_lost=lambda: False)
+
+    own = "RankFailure: tensor-parallel rank 1 (pid 9) was killed by SIGKILL"
+    follows = "RankFailure: data-parallel rank 1 (pid 8) is gone"
+    assert _first_gone(procs, [core(follows, 1), core(own), core()]) == (1, own)
+    assert _first_gone(procs, [core(follows, 1), core(), core()]) == (0, follows)
+    assert _first_gone(procs, [core("x", 0), core("y", 2), core()]) == (0, "x")
+    # a core gone without last words (killed) still comes first
+    killed = SimpleNamespace(poll=lambda: -9, pid=7)
+    got = _first_gone([running, running, killed], [core(follows, 1), core(own), core()])
+    assert got[0] == 2 and "7" in got[1]
 
 
 def test_node0_publishes_bound_tcp_pipes():
