@@ -232,8 +232,12 @@ class GatedMLP(nn.Module):
         # gate|up as one GEMM with the weights packed for the CPU (swaserve/ops/cpu_pack.py);
         # gate_proj and up_proj are then removed.
         self.gate_up_proj: nn.Module | None = None
+        # or act(gate) * up in one module (cpu_gated.PackedGatedProj: oneDNN post-ops)
+        self.gated_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated_proj is not None:
+            return self.down_proj(self.gated_proj(x))
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)

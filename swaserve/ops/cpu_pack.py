@@ -5,8 +5,10 @@ removable layer: `--disable-fused-ops` keeps every weight dense (the eager refer
 
 - every `Attention`: q/k/v become one packed GEMM (`qkv_proj`; q_proj, k_proj and v_proj are
   removed), o_proj a `PackedLinear`;
-- every `GatedMLP`: gate/up one packed GEMM (`gate_up_proj`; gate_proj and up_proj removed),
-  down_proj a `PackedLinear`;
+- every `GatedMLP`: gate and up two packed GEMMs with the activation and the product in their
+  epilogues (`gated_proj`, swaserve/ops/cpu_gated.py), or, for an activation oneDNN has no
+  post-op for, one packed GEMM (`gate_up_proj`); gate_proj and up_proj are removed, down_proj
+  becomes a `PackedLinear`;
 - the head: a tied embedding table becomes a `PackedEmbedding` whose `PackedWeight` also serves
   the head's GEMM (`swaserve.models.blocks.head_logits`); an untied `lm_head` a `PackedLinear`.
 
@@ -26,6 +28,7 @@ import ctypes
 import torch
 from torch import nn
 
+from swaserve.ops import cpu_gated
 from swaserve.ops.cpu_linear import PackedEmbedding, PackedLinear, PackedWeight, available
 
 
@@ -70,7 +73,14 @@ def pack_cpu_weights(model: nn.Module) -> int:
         elif isinstance(module, GatedMLP) and not module.fused:
             gate_up = [module.gate_proj, module.up_proj]
             if _packable(*gate_up, module.down_proj):
-                module.gate_up_proj = _packed_linear(gate_up)
+                if cpu_gated.available(module.act_name):  # act(gate) * up in GEMM epilogues
+                    gp, up = module.gate_proj, module.up_proj
+                    module.gated_proj = cpu_gated.PackedGatedProj(
+                        PackedWeight(gp.weight), PackedWeight(up.weight), gp.bias, up.bias,
+                        module.act_name,
+                    )
+                else:
+                    module.gate_up_proj = _packed_linear(gate_up)
                 del module.gate_proj, module.up_proj
                 module.down_proj = _packed_linear([module.down_proj])
                 packed += 2

@@ -1,0 +1,73 @@
+"""act(gate) * up through oneDNN post-ops (swaserve/ops/cpu_gated.py) against torch on the
+same packed GEMMs: each activation, biases, leading dims, zero rows; the product is torch's
+exactly, the activations within a few float32 ulps; without the post-op the merged GEMM stays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swaserve.models.blocks import ACTIVATIONS, GatedMLP
+from swaserve.ops import cpu_gated, cpu_linear
+from swaserve.ops.cpu_linear import PackedWeight
+from swaserve.ops.cpu_pack import pack_cpu_weights
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_linear.available() and cpu_gated.available("silu")), reason="no oneDNN post-ops"
+)
+
+
+@pytest.mark.parametrize("act", sorted(cpu_gated.POST_OPS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_proj_matches_torch_on_the_same_gemms(act, bias):
+    gen = torch.Generator().manual_seed(0)
+    k, n = 96, 200
+    wg, wu = (torch.randn(n, k, generator=gen) * 0.2 for _ in range(2))
+    bg, bu = (torch.randn(n, generator=gen) if bias else None for _ in range(2))
+    proj = cpu_gated.PackedGatedProj(PackedWeight(wg), PackedWeight(wu), bg, bu, act)
+    x = torch.randn(3, 7, k, generator=gen) * 3  # gate outputs well into both tails
+    gate = proj.gate.linear(x, bg)
+    up = proj.up.linear(x, bu)
+    want_act = ACTIVATIONS[act](gate)
+    got = proj(x)
+    assert got.shape == (3, 7, n)
+    # the activation within 4 ulps of its output's scale; the product then exact
+    ulp = torch.finfo(torch.float32).eps * want_act.abs().clamp_min(1.0)
+    act_err = (got / up - want_act).abs()
+    fine = up.abs() > 1e-3  # the quotient recovers the activation only where up is not tiny
+    assert (act_err[fine] <= 4 * ulp[fine] * (1 + ulp[fine] / up.abs()[fine])).all()
+    torch.testing.assert_close(got, want_act * up, rtol=2e-6, atol=2e-6)
+    assert proj(x[:0]).shape == (0, 7, n)
+
+
+def test_exact_gelu_and_product_bit_equal():
+    """Where oneDNN's activation is exact (erf GELU), the whole result is torch's bit for bit:
+    the product post-op rounds as torch's multiply."""
+    gen = torch.Generator().manual_seed(1)
+    wg, wu = (torch.randn(64, 32, generator=gen) for _ in range(2))
+    proj = cpu_gated.PackedGatedProj(PackedWeight(wg), PackedWeight(wu), None, None, "gelu")
+    x = torch.randn(5, 32, generator=gen)
+    assert torch.equal(proj(x), F.gelu(proj.gate.linear(x)) * proj.up.linear(x))
+
+
+def test_refuses_mismatched_halves_and_unknown_activations():
+    w = PackedWeight(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="differ"):
+        cpu_gated.PackedGatedProj(w, PackedWeight(torch.randn(9, 4)), None, None, "silu")
+    with pytest.raises(ValueError, match="no oneDNN post-op"):
+        cpu_gated.PackedGatedProj(w, w, None, None, "relu2")
+
+
+@pytest.mark.parametrize("post_ops", [True, False])
+def test_pack_picks_post_ops_or_the_merged_gemm(monkeypatch, post_ops):
+    monkeypatch.setattr(cpu_gated, "available", lambda act: post_ops)
+    torch.manual_seed(2)
+    mlp = GatedMLP(32, 48, "gelu_pytorch_tanh")
+    x = torch.randn(6, 32)
+    want = mlp(x)
+    pack_cpu_weights(mlp)
+    assert (mlp.gated_proj is not None) == post_ops
+    assert (mlp.gate_up_proj is not None) == (not post_ops)
+    assert not hasattr(mlp, "gate_proj") and not hasattr(mlp, "up_proj")
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
