@@ -42,9 +42,11 @@ from swaserve.ops.cpu_linear import BATCH_HINT, PackedWeight
 _U = 2.0**-8  # bfloat16 unit roundoff (8 significant bits, round to nearest even)
 _FINITE = 1e37  # |x| max|w| below this: no float32 or bfloat16 logit overflows
 # More candidates than this in a step (flat logits: random-token prompts give tens of
-# thousands at first) take the float32 head: ~4 us each to rescore (each a strided gather from
-# the packed table), ~36 ms for the whole head on Gemma 3.
-_MAX_RESCORED = 2048
+# thousands at first) take the float32 head: ~3.1 us each to rescore (each a strided gather
+# from the packed table), ~36 ms for the whole head on Gemma 3 at 16 rows, so the break-even is
+# near 11,000; the cap stays below it (steps of 3,300-3,800 on cpu_step.py's workload: 55 -> ~30
+# ms each with the cap at 2,048 before).
+_MAX_RESCORED = 8192
 _BLOCK = 256  # columns whose maximum is tested before any of them is (`candidates`)
 
 
