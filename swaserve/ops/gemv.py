@@ -51,10 +51,6 @@ MAX_ROWS = 2  # rows the engine's path takes; at 4 cuBLAS won by 10-45% on Llama
 # Rows the tensor-core variant takes (`GemvConfig.use_dot`): swept by benchmarks/gemv_bench.py
 # at 4 to 16 rows, not yet measured, so only SWASERVE_GEMV_ROWS above MAX_ROWS picks it.
 MAX_DOT_ROWS = 16
-# Weight tiles each program loads before its PDL wait (0-2; SWASERVE_GEMV_EARLY for A/B runs):
-# under PDL a kernel's programs start while the one before finishes, and the weights, which
-# no kernel writes, need not wait for it.
-EARLY_TILES = int(os.environ.get("SWASERVE_GEMV_EARLY", "1"))
 
 
 @dataclass(frozen=True)
@@ -129,48 +125,6 @@ def row_config(rows: int) -> GemvConfig | None:
 
 
 @triton.jit
-def _w_tile(w_ptrs, k0, rk, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weight tile at K offset `k0` (masked past K)."""
-    if K % BLOCK_K == 0:
-        return tl.load(w_ptrs)
-    else:
-        return tl.load(w_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _gemv_tile(
-    acc, ss, w, X, x_ptrs, G, g_offset, k0, m_ok, rk,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_NORM: tl.constexpr, ACT: tl.constexpr,
-    USE_DOT: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """One K step: x's tile (gated, normalised) times the weight tile `w`, into acc (and ss)."""
-    if K % BLOCK_K == 0:
-        x_ok = m_ok[:, None]
-    else:
-        k_ok = (k0 + rk) < K
-        x_ok = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptrs, mask=x_ok, other=0.0).to(tl.float32)
-    if ACT >= 0:  # x holds the gate; the up half sits K further along the row
-        up = tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)
-        x = rounded(gated(x, up, ACT, X.dtype.element_ty), X.dtype.element_ty)
-    if HAS_NORM:
-        ss += x * x
-        if K % BLOCK_K == 0:
-            g = tl.load(G + k0 + rk).to(tl.float32)
-        else:
-            g = tl.load(G + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
-        x = x * (g + g_offset)[None, :]
-    if USE_DOT:
-        if INTERPRET or w.dtype == tl.float32:
-            acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:  # x (normalised or gated) rounded to the weights' dtype, as the GEMM's input
-            acc += tl.dot(x.to(w.dtype), tl.trans(w))
-    else:
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    return acc, ss
-
-
-@triton.jit
 def _gemv_kernel(
     X, W, B, R, G, Y,
     M, N, stride_xm, stride_wn, stride_rm, stride_ym, eps, g_offset,
@@ -184,12 +138,12 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with PDL (ops/pdl.py)
-    EARLY: tl.constexpr = 0,  # weight tiles (0-2) loaded before the PDL wait (`EARLY_TILES`)
     ROPE: tl.constexpr = False,  # the q/k/v GEMV finishing the prologue (`RopeStore`)
     Q_DIM: tl.constexpr = 0, KV_DIM: tl.constexpr = 0, HEAD_D: tl.constexpr = 0,
     PAGE_SIZE: tl.constexpr = 0, FP8: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    pdl_wait(USE_PDL)  # x, the residual and Y belong to the kernels around this one
     HALF_N: tl.constexpr = BLOCK_N // 2
     j = tl.arange(0, BLOCK_N)
     if ROPE:  # half-tiles of rotary partners: c + j for j < P, c + D/2 + (j - P) after
@@ -204,31 +158,38 @@ def _gemv_kernel(
     m_ok = rm < M
     w_ptrs = W + rn_load.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
-    # The weights are no kernel's output (`gemv`): their first tiles are asked for before the
-    # wait, so they stream while the kernel before finishes and its writes are flushed.
-    if EARLY >= 1:
-        w0 = _w_tile(w_ptrs, 0, rk, K, BLOCK_K)
-    if EARLY >= 2:
-        w1 = _w_tile(w_ptrs + BLOCK_K, BLOCK_K, rk, K, BLOCK_K)
-    pdl_wait(USE_PDL)  # x, the residual and Y belong to the kernels around this one
     # products accumulate elementwise; the one reduction over K comes after the loop
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    if EARLY >= 1:
-        acc, ss = _gemv_tile(acc, ss, w0, X, x_ptrs, G, g_offset, 0, m_ok, rk, K, BLOCK_K,
-                             HAS_NORM, ACT, USE_DOT, INTERPRET)  # fmt: skip
-    if EARLY >= 2:
-        acc, ss = _gemv_tile(acc, ss, w1, X, x_ptrs + BLOCK_K, G, g_offset, BLOCK_K, m_ok, rk,
-                             K, BLOCK_K, HAS_NORM, ACT, USE_DOT, INTERPRET)  # fmt: skip
-    w_ptrs += EARLY * BLOCK_K
-    x_ptrs += EARLY * BLOCK_K
-    for k0 in tl.range(EARLY * BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = _w_tile(w_ptrs, k0, rk, K, BLOCK_K)
-        acc, ss = _gemv_tile(acc, ss, w, X, x_ptrs, G, g_offset, k0, m_ok, rk, K, BLOCK_K,
-                             HAS_NORM, ACT, USE_DOT, INTERPRET)  # fmt: skip
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if K % BLOCK_K == 0:
+            x_ok = m_ok[:, None]
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k0 + rk) < K
+            x_ok = m_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0).to(tl.float32)
+        if ACT >= 0:  # x holds the gate; the up half sits K further along the row
+            up = tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)
+            x = rounded(gated(x, up, ACT, X.dtype.element_ty), X.dtype.element_ty)
+        if HAS_NORM:
+            ss += x * x
+            if K % BLOCK_K == 0:
+                g = tl.load(G + k0 + rk).to(tl.float32)
+            else:
+                g = tl.load(G + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+            x = x * (g + g_offset)[None, :]
+        if USE_DOT:
+            if INTERPRET or W.dtype.element_ty == tl.float32:
+                acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:  # x (normalised or gated) rounded to the weights' dtype, as the GEMM's input
+                acc += tl.dot(x.to(W.dtype.element_ty), tl.trans(w))
+        else:
+            acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if USE_DOT:
@@ -308,9 +269,8 @@ def gemv(
     rope_store: RopeStore | None = None,
 ) -> torch.Tensor:
     """[norm](x) @ weight^T [+ bias] [+ residual] for x of [m, k] (m <= MAX_ROWS, unit
-    stride along k) and a contiguous weight of [n, k] that no kernel of the step writes (read
-    before the PDL wait: `EARLY_TILES`); returns a new contiguous [m, n] tensor in x's dtype.
-    `norm` is an RMSNorm over k (blocks.RMSNorm), `residual` an [m, n] tensor.
+    stride along k) and a contiguous weight of [n, k]; returns a new contiguous [m, n] tensor
+    in x's dtype. `norm` is an RMSNorm over k (blocks.RMSNorm), `residual` an [m, n] tensor.
     With `act` (a `blocks.ACTIVATIONS` name) x is a merged gate|up output of [m, 2k] and the
     product's input is act(gate) * up, rounded as `act_and_mul` rounds it. With `rope_store`
     (the q/k/v GEMV, `rope_store_fits` for its tile) q and k come out rotated and k and v are
@@ -368,7 +328,6 @@ def gemv(
         BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        USE_PDL=use_pdl, EARLY=min(EARLY_TILES, triton.cdiv(k, cfg.block_k)),
-        **rope, **pdl_launch(use_pdl),
+        USE_PDL=use_pdl, **rope, **pdl_launch(use_pdl),
     )  # fmt: skip
     return y

@@ -136,28 +136,6 @@ def test_triton_gemv_dot_variant_more_rows(m):
         gemv(x, w, config=SMALL["narrow"])
 
 
-@pytest.mark.parametrize("tile", sorted(SMALL))
-@pytest.mark.parametrize(
-    "m, k, act", [(1, 64, None), (2, 80, None), (2, 72, "silu"), (1, 24, None)]
-)
-def test_triton_gemv_weight_tiles_before_the_wait_change_nothing(monkeypatch, tile, m, k, act):
-    """The first weight tiles loaded before the PDL wait (`EARLY_TILES` 1 and 2; 2 on a K of
-    one tile loads one) give the same bits as none: the same products in the same order, K
-    a multiple of the tile or not, with a norm or the activation in front."""
-    import swaserve.ops.gemv as gemv_mod
-
-    n = 40
-    x = _randn(m, 2 * k if act else k, dtype=torch.bfloat16, seed=16)
-    w = _randn(n, k, dtype=torch.bfloat16, seed=17) * k**-0.5
-    r = _randn(m, n, dtype=torch.bfloat16, seed=18)
-    nm = None if act else RMSNorm(k, 1e-6).to(DEVICE)
-    got = {}
-    for early in (0, 1, 2):
-        monkeypatch.setattr(gemv_mod, "EARLY_TILES", early)
-        got[early] = gemv(x, w, norm=nm, residual=r, act=act, config=SMALL[tile])
-    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
-
-
 def test_triton_gemv_refuses_bad_shapes():
     w = _randn(16, 32, dtype=torch.float32, seed=8)
     with pytest.raises(ValueError, match="gemv takes"):
