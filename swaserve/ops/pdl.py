@@ -18,8 +18,9 @@ wait return at once. CUDA graphs keep the programmatic edges captured from the s
 Measured on the H200 (benchmarks/RESULTS.md, 2026-12-03 stop 22; Llama-3.1-8B shape, batch-1
 decode graph): 4.30 ms/token without PDL, 4.257 with it. Two variants were slower and are not
 kept: every program triggering its dependents at its start (`griddepcontrol.launch_dependents`,
-4.68: the next kernel's programs sat resident and waiting beside the running ones), and GEMV
-programs asking L2 for their weight slice before the wait (4.56).
+4.68: the next kernel's programs sat resident and waiting beside the running ones), GEMV
+programs asking L2 for their weight slice before the wait (4.56), and GEMV programs loading
+their first weight tile into registers before the wait (4.345 against 4.251, 2026-12-05).
 
 SWASERVE_PDL=0 turns it off (A/B runs); the Triton interpreter and GPUs before sm_90 never use
 it.
