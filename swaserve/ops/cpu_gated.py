@@ -8,10 +8,11 @@ post-op), and the up GEMM multiplies by the activated gate (a binary post-op rea
 tensor). Gemma 3 270M's MLP, 2 threads of this project's CPU: 70.3 -> 58.3 ms a layer at 1,530
 rows (a prefill step), 0.83 -> 0.69 ms at 16 rows (a decode step) (benchmarks/RESULTS.md).
 
-Numerics: the GEMMs are the packed ones as before (float32, oneDNN's sums); the product is
-exact as torch's; oneDNN's SiLU and tanh-GELU differ from torch's by at most a few float32
-ulps of the activation's output (checked by tests/unit/test_cpu_gated.py; exact GELU matched
-bit for bit here). The activations without a post-op keep the merged GEMM (`cpu_pack`).
+Numerics: the GEMMs are the packed ones as before (float32, oneDNN's sums); the product
+rounds as torch's multiply; oneDNN's activations (vector exp/tanh/erf, by ISA) differ from
+torch's by a few float32 ulps of their output: ~3 for SiLU and tanh-GELU on this project's
+AVX-512 CPU, erf-GELU bit-equal there (tests/unit/test_cpu_gated.py allows 16). The
+activations without a post-op keep the merged GEMM (`cpu_pack`).
 """
 
 from __future__ import annotations
