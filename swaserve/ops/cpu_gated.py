@@ -5,8 +5,10 @@ item 4).
 copy as three torch passes over the [T, 2I] output. oneDNN applies "post-ops" to a GEMM's
 output tile while it is still in cache: the gate GEMM carries the activation (its eltwise
 post-op), and the up GEMM multiplies by the activated gate (a binary post-op reading the other
-tensor). Gemma 3 270M's MLP, 2 threads of this project's CPU: 70.3 -> 58.3 ms a layer at 1,530
-rows (a prefill step), 0.83 -> 0.69 ms at 16 rows (a decode step) (benchmarks/RESULTS.md).
+tensor). Gemma 3 270M in `benchmarks/cpu_step.py`, 2 threads of this project's CPU: the MLPs
+of a run's prefill step 1,129 -> 1,070 ms, of its decode steps (16 rows) 905 -> 827 ms, -2.5%
+of the run (benchmarks/RESULTS.md; one layer with its weights hot in cache gains more, 75 -> 57
+ms at 1,530 rows, but in the engine the weights stream from memory).
 
 Numerics: the GEMMs are the packed ones as before (float32, oneDNN's sums); the product
 rounds as torch's multiply; oneDNN's activations (vector exp/tanh/erf, by ISA) differ from
