@@ -74,7 +74,7 @@ def pack_cpu_weights(model: nn.Module) -> int:
             gate_up = [module.gate_proj, module.up_proj]
             if _packable(*gate_up, module.down_proj):
                 if cpu_gated.available(module.act_name):  # act(gate) * up in GEMM epilogues
-                    gp, up = module.gate_proj, module.up_proj
+                    gp, up = gate_up
                     module.gated_proj = cpu_gated.PackedGatedProj(
                         PackedWeight(gp.weight), PackedWeight(up.weight), gp.bias, up.bias,
                         module.act_name,

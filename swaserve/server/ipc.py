@@ -326,7 +326,7 @@ class CoreClient:
             self.ready.set()
         elif kind == DEAD:
             log.error("engine core reported a fatal error:\n%s", msg[1])
-            self.blames = msg[2] if len(msg) > 2 else None
+            self.blames = msg[2]
             self.fail_all(msg[1].strip().splitlines()[-1] if msg[1].strip() else "unknown error")
             self.ready.set()  # wakes a startup waiting for "ready"
 
