@@ -35,7 +35,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     kv_cache_dtype: str = "auto"  # auto | fp8_e4m3
     kv_cache_scale: float | None = None  # fp8: one given scale for every layer; None: calibrate
-    attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch else
+    # cpu | torch | triton; None: triton on CUDA, else cpu (torch with --disable-fused-ops)
+    attention_backend: str | None = None
     disable_prefix_cache: bool = False
     host_cache_gb: float = 0.0
     host_cache_policy: str = "write_back"
@@ -324,7 +325,10 @@ class EngineConfig:
     def backend_name(self) -> str:
         if self.attention_backend:
             return self.attention_backend
-        return "triton" if self.torch_device().type == "cuda" else "torch"
+        if self.torch_device().type == "cuda":
+            return "triton"
+        # the eager reference keeps the plain torch backend
+        return "torch" if self.disable_fused_ops else "cpu"
 
 
 # ---- --help: one line per flag, its group and choices -------------------------------------
@@ -426,7 +430,8 @@ FLAGS: dict[str, FlagInfo] = {
     # GPU
     "device": FlagInfo("GPU", "auto, cpu, cuda or cuda:N", default="auto: cuda when available"),
     "attention_backend": FlagInfo(
-        "GPU", "attention kernels", ("torch", "triton"), default="triton on CUDA, torch elsewhere"
+        "GPU", "attention kernels", ("cpu", "torch", "triton"),
+        default="triton on CUDA; else cpu (torch with --disable-fused-ops)",
     ),
     "cuda_graph_max_bs": FlagInfo(
         "GPU", "largest decode batch run as a CUDA graph; 0: no CUDA graphs at all",

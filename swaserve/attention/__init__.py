@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 _BACKENDS = {
+    "cpu": ("swaserve.attention.cpu_backend", "CpuBackend"),
     "torch": ("swaserve.attention.torch_backend", "TorchBackend"),
     "triton": ("swaserve.attention.triton_backend", "TritonBackend"),
 }

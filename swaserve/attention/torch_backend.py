@@ -219,7 +219,6 @@ class TorchBackend(AttentionBackend):
         if out is None:
             out = torch.empty_like(q)
         qsl = meta.query_start_loc
-        fp8 = fb.kv.is_fp8
         # Decodes in one batched call (a per-request loop costs more than the math on CPU);
         # they read their own key from the cache like the rest, fp8 included.
         batched: set[int] = set()
@@ -237,9 +236,27 @@ class TorchBackend(AttentionBackend):
             else:
                 out[d.at] = o
             batched.update(d.rows)
-        for r in range(len(qsl) - 1):
-            if r in batched:
-                continue
+        rest = [r for r in range(len(qsl) - 1) if r not in batched]
+        return self.attend_each(q, k, v, spec, sinks, fb, out, rest)
+
+    def attend_each(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: AttentionSpec,
+        sinks: torch.Tensor | None,
+        fb: ForwardBatch,
+        out: torch.Tensor,
+        requests: list[int],
+    ) -> torch.Tensor:
+        """Attend the rows of `requests` one request at a time (K/V already stored) into
+        `out`."""
+        meta: TorchMetadata = fb.metadata
+        gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
+        qsl = meta.query_start_loc
+        fp8 = fb.kv.is_fp8
+        for r in requests:
             n = qsl[r + 1] - qsl[r]
             slots, mask = gm.visible(r, spec.window)  # the layer's window, not the group's
             keys, vals = fb.kv.read(spec.layer_id, slots)

@@ -86,12 +86,19 @@ class KVPool:
             return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
         return x.to(self.dtype)
 
+    def row_addressing(self, layer_id: int) -> tuple[torch.Tensor, int, int]:
+        """(rows, first, page_rows): the pool as rows `[N, kv_heads, head_dim]`, where the K of
+        a layer's flat slot s is row `s + (s // page_size) * (page_rows - page_size) + first`
+        and its V that row + page_size (the native CPU kernels address the pool so)."""
+        return self._rows, self.layout.layer_to_slot[layer_id] * 2 * self.page_size, \
+            self._page_rows
+
     def _k_rows(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
         """Rows of `_rows` holding the K of flat slots `page * page_size + offset` of a layer;
         its V rows are these + page_size."""
+        _, first, page_rows = self.row_addressing(layer_id)
         ps = self.page_size
-        first = self.layout.layer_to_slot[layer_id] * 2 * ps
-        return slots + (slots // ps) * (self._page_rows - ps) + first
+        return slots + (slots // ps) * (page_rows - ps) + first
 
     def store(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor

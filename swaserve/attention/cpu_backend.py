@@ -1,0 +1,122 @@
+"""The CPU's attention: the torch backend, with short query rows read from the pool in place.
+
+Decodes and other short chunks (speculative verify chunks, the tail of a prefill) go to the
+native kernel (`swaserve/ops/native/paged_attention.c`), which walks each row's visible keys
+straight from the pages: the torch backend copies every key and value a step reads into fresh
+tensors and SDPA reads them again. Longer chunks stay with torch's SDPA (`attend_each`), whose
+blocked GEMMs beat a row-at-a-time loop there. Same semantics as `TorchBackend`: windows per
+layer, soft-capping, sinks, a float32, bfloat16 or FP8 pool. With an FP8 pool only decodes go
+native: a longer chunk reads its own keys at full precision (the torch backend's rule), which
+the kernel does not.
+
+The default on a CPU unless `--disable-fused-ops` (the eager reference keeps `TorchBackend`);
+without a C compiler (`cpu_native.library()` is None) it is `TorchBackend` whole.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from swaserve.attention.torch_backend import TorchBackend, TorchGroupMetadata, TorchMetadata
+from swaserve.engine.forward_batch import ForwardBatch
+from swaserve.memory.groups import GroupLayout
+from swaserve.models.blocks import AttentionSpec
+from swaserve.ops import cpu_native
+
+if TYPE_CHECKING:
+    from swaserve.attention.kernels.rope_store import QKPrologue
+
+# Chunks of at most this many query rows attend natively. RESULTS.md (stop 40's session, CPU)
+# has the measurement behind it.
+NATIVE_MAX_QUERY = 16
+_POOL_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+_FP8_LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+class CpuBackend(TorchBackend):
+    def __init__(self, layout: GroupLayout, page_size: int, device: torch.device) -> None:
+        super().__init__(layout, page_size, device)
+        self.lib = cpu_native.library() if torch.device(device).type == "cpu" else None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: AttentionSpec,
+        sinks: torch.Tensor | None,
+        fb: ForwardBatch,
+        out: torch.Tensor | None = None,
+        prologue: QKPrologue | None = None,
+        kv_stored: bool = False,
+    ) -> torch.Tensor:
+        kv = fb.kv
+        if self.lib is None or prologue is not None or kv.dtype not in _POOL_CODES:
+            return super().forward(q, k, v, spec, sinks, fb, out, prologue, kv_stored)
+        meta: TorchMetadata = fb.metadata
+        gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
+        rows, first, page_rows = kv.row_addressing(spec.layer_id)
+        if kv.dtype == torch.float32 and k.dtype == torch.float32:
+            kc, vc = k.contiguous(), v.contiguous()
+            self.lib.swa_store_f32(
+                rows.data_ptr(), kc.data_ptr(), vc.data_ptr(), gm.slot_mapping.data_ptr(),
+                kc.shape[0], rows[0].numel(), self.page_size, page_rows, first,
+            )  # fmt: skip
+        else:
+            kv.store(spec.layer_id, k, v, gm.slot_mapping)
+        if out is None:
+            out = torch.empty_like(q)
+        native, rest = _split(gm, meta, kv.is_fp8)
+        if native.numel():
+            qf = q.float().contiguous()
+            of = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(qf)
+            sk = None if sinks is None else sinks.float().contiguous()
+            ks, vs = kv.layer_scales(spec.layer_id)
+            a = gm._views["native"]
+            rc = self.lib.swa_paged_attention(
+                of.data_ptr(), qf.data_ptr(), rows.data_ptr(), _POOL_CODES[kv.dtype],
+                _FP8_LUT.data_ptr(), ks, vs, a["slots"].data_ptr(), a["slots"].shape[1],
+                a["key_pos0"].data_ptr(), a["ctx"].data_ptr(), a["qsl"].data_ptr(),
+                native.data_ptr(), native.numel(), spec.num_heads, spec.num_kv_heads,
+                spec.head_dim, spec.window or 0, spec.scale, spec.softcap or 0.0,
+                cpu_native.ptr(sk), self.page_size, page_rows, first,
+            )  # fmt: skip
+            if rc != 0:
+                raise ValueError(
+                    f"layer {spec.layer_id} (window {spec.window}) reads keys below those its "
+                    "attention group keeps: its group's window is narrower"
+                )
+            if of is not out:  # rows of the other requests are written below
+                sel = a["native_tokens"]
+                out[sel] = of[sel].to(out.dtype)
+        if rest:
+            self.attend_each(q, k, v, spec, sinks, fb, out, rest)
+        return out
+
+
+def _split(
+    gm: TorchGroupMetadata, meta: TorchMetadata, fp8: bool
+) -> tuple[torch.Tensor, list[int]]:
+    """The requests whose rows attend natively (int64 tensor) and the rest (a list), with the
+    step's arrays for the kernel, cached on the group's metadata (built by its first layer)."""
+    a = gm._views.get("native")
+    if a is None:
+        qsl = meta.query_start_loc
+        lens = [qsl[r + 1] - qsl[r] for r in range(len(qsl) - 1)]
+        limit = 1 if fp8 else NATIVE_MAX_QUERY
+        native = [r for r, n in enumerate(lens) if 0 < n <= limit]
+        a = {
+            "native": torch.tensor(native, dtype=torch.int64),
+            "rest": [r for r, n in enumerate(lens) if n > limit],
+            "slots": gm.padded.contiguous(),
+            "key_pos0": torch.tensor(gm.key_start, dtype=torch.int64),
+            "ctx": torch.tensor(gm.context_lens, dtype=torch.int64),
+            "qsl": torch.tensor(qsl, dtype=torch.int64),
+            "native_tokens": torch.cat(
+                [torch.arange(qsl[r], qsl[r + 1]) for r in native]
+            ) if native else torch.zeros(0, dtype=torch.int64),
+        }  # fmt: skip
+        gm._views["native"] = a
+    return a["native"], a["rest"]

@@ -1,0 +1,151 @@
+"""The CPU backend's native paged attention (swaserve/ops/native/paged_attention.c) against the
+torch backend on the same pool: decodes, short and long chunks in one step (the long ones stay
+with torch), sliding and full layers, GQA, soft-capping, sinks, float32, bfloat16 and FP8
+pools, retired pages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swaserve.attention.base import AttentionInputs
+from swaserve.attention.cpu_backend import NATIVE_MAX_QUERY, CpuBackend
+from swaserve.attention.torch_backend import TorchBackend
+from swaserve.engine.forward_batch import ForwardBatch
+from swaserve.memory.groups import build_layout
+from swaserve.memory.kv_pool import KVPool
+from swaserve.models.blocks import AttentionSpec
+from swaserve.ops import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler here")
+
+FP8 = torch.float8_e4m3fn
+
+
+def _step(qlens, ctxs, *, window, h, hkv, d, kv_dtype, q_dtype, page_size=4, seed=0):
+    """A step over a random pool: two layers (0 sliding, 1 full), page tables with the sliding
+    group's pages before its window retired to NULL."""
+    g = torch.Generator().manual_seed(seed)
+    layout = build_layout([window, None])
+    npages = [math.ceil((n + c) / page_size) for n, c in zip(qlens, ctxs)]
+    num_pages = 1 + 2 * sum(npages) + 2
+    free = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    tables = []
+    for c, p in zip(ctxs, npages):
+        sliding, free = free[:p], free[p:]
+        full, free = free[:p], free[p:]
+        start = max(0, c - window + 1)
+        sliding[: start // page_size] = [0] * (start // page_size)
+        tables.append([sliding, full])
+    pool = KVPool(layout, num_pages, page_size, hkv, d, kv_dtype, torch.device("cpu"))
+    pool.pages.copy_(torch.randn(pool.pages.shape, generator=g).to(kv_dtype))
+    pool.pages[0] = 0  # the NULL page: the torch backend's padding reads it, masked
+    if kv_dtype == FP8:
+        pool.set_scales([0.5, 0.25], [0.125, 0.5])
+    t = sum(qlens)
+    q = torch.randn(t, h, d, generator=g).to(q_dtype)
+    kv_new = [(torch.randn(t, hkv, d, generator=g).to(q_dtype),
+               torch.randn(t, hkv, d, generator=g).to(q_dtype)) for _ in range(2)]
+    inputs = AttentionInputs(list(qlens), list(ctxs), page_tables=tables)
+    pos = torch.cat([torch.arange(c, c + n) for n, c in zip(qlens, ctxs)])
+    return layout, pool, q, kv_new, inputs, pos
+
+
+def _forward(backend_cls, layout, pool, q, kv_new, inputs, pos, specs, sinks):
+    backend = backend_cls(layout, pool.page_size, torch.device("cpu"))
+    fb = ForwardBatch(pos.clone(), pos, backend, backend.prepare(inputs), pool)
+    outs = [backend.forward(q, k, v, spec, sinks, fb) for spec, (k, v) in zip(specs, kv_new)]
+    return outs, fb
+
+
+CASES = [  # qlens, ctxs: decodes, short chunks (native) and long ones (torch) in one step
+    ([1, 1, 1, 1, 1], [0, 7, 23, 40, 150]),  # past one block of 64 keys
+    ([1, 3, NATIVE_MAX_QUERY, NATIVE_MAX_QUERY + 1, 1, 30], [17, 6, 70, 0, 31, 4]),
+]
+
+
+@pytest.mark.parametrize("qlens,ctxs", CASES)
+@pytest.mark.parametrize("h,hkv,d", [(4, 1, 32), (6, 2, 16), (4, 4, 8)])
+@pytest.mark.parametrize("softcap,use_sinks", [(None, False), (3.0, False), (None, True)])
+def test_native_equals_torch_backend(qlens, ctxs, h, hkv, d, softcap, use_sinks):
+    window = 6
+    layout, pool, q, kv_new, inputs, pos = _step(
+        qlens, ctxs, window=window, h=h, hkv=hkv, d=d, kv_dtype=torch.float32,
+        q_dtype=torch.float32, seed=h * 10 + d,
+    )  # fmt: skip
+    specs = [AttentionSpec(0, h, hkv, d, d**-0.5, window, softcap),
+             AttentionSpec(1, h, hkv, d, d**-0.5, None, softcap)]
+    sinks = torch.randn(h) if use_sinks else None
+    want, _ = _forward(TorchBackend, layout, pool, q, kv_new, inputs, pos, specs, sinks)
+    before = pool.pages.clone()
+    got, fb = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, sinks)
+    assert torch.equal(pool.pages, before)  # the native store wrote what the torch one did
+    native = fb.metadata.groups[0]._views["native"]["native"].tolist()
+    assert native == [r for r, n in enumerate(qlens) if n <= NATIVE_MAX_QUERY]
+    for w, o in zip(want, got):
+        assert not o.isnan().any()
+        torch.testing.assert_close(o, w, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32),
+                                              (FP8, torch.float32)])
+def test_native_reads_bf16_and_fp8_pools(kv_dtype, q_dtype):
+    """FP8: decodes go native; a longer chunk reads its own keys at full precision (torch)."""
+    qlens, ctxs = CASES[1]
+    layout, pool, q, kv_new, inputs, pos = _step(
+        qlens, ctxs, window=5, h=4, hkv=2, d=16, kv_dtype=kv_dtype, q_dtype=q_dtype, seed=3
+    )
+    specs = [AttentionSpec(0, 4, 2, 16, 0.25, 5), AttentionSpec(1, 4, 2, 16, 0.25, None)]
+    want, _ = _forward(TorchBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
+    got, fb = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
+    native = fb.metadata.groups[0]._views["native"]["native"].tolist()
+    limit = 1 if kv_dtype == FP8 else NATIVE_MAX_QUERY
+    assert native == [r for r, n in enumerate(qlens) if n <= limit]
+    tol = 1e-2 if q_dtype == torch.bfloat16 else 2e-5
+    for w, o in zip(want, got):
+        assert o.dtype == q_dtype
+        torch.testing.assert_close(o.float(), w.float(), atol=tol, rtol=tol)
+
+
+def test_a_row_equals_itself_in_any_batch():
+    """A query row's result does not depend on the rest of the step: a decode alone, the same
+    decode beside others, and the same position as the last row of a verify-sized chunk."""
+    window, h, hkv, d = 6, 4, 1, 32
+    layout, pool, q, kv_new, inputs, pos = _step(
+        [1, 4, 1], [9, 6, 20], window=window, h=h, hkv=hkv, d=d, kv_dtype=torch.float32,
+        q_dtype=torch.float32, seed=5,
+    )  # fmt: skip
+    specs = [AttentionSpec(0, h, hkv, d, 0.2, window), AttentionSpec(1, h, hkv, d, 0.2, None)]
+    together, _ = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
+    alone_inputs = AttentionInputs([1], [20], page_tables=[inputs.page_tables[2]])
+    alone, _ = _forward(CpuBackend, layout, pool, q[5:6], [(k[5:6], v[5:6]) for k, v in kv_new],
+                        alone_inputs, pos[5:6], specs, None)  # fmt: skip
+    for t, a in zip(together, alone):
+        assert torch.equal(t[5:6], a)
+    # request 1's chunk of 4 at positions 6..9: its last row reads exactly what a decode at
+    # position 9 of the same table reads
+    last_inputs = AttentionInputs([1], [9], page_tables=[inputs.page_tables[1]])
+    last, _ = _forward(CpuBackend, layout, pool, q[4:5], [(k[4:5], v[4:5]) for k, v in kv_new],
+                       last_inputs, pos[4:5], specs, None)  # fmt: skip
+    for t, a in zip(together, last):
+        assert torch.equal(t[4:5], a)
+
+
+def test_a_layer_wider_than_its_group_is_an_error():
+    layout, pool, q, kv_new, inputs, pos = _step(
+        [1, 1], [20, 3], window=4, h=4, hkv=1, d=8, kv_dtype=torch.float32,
+        q_dtype=torch.float32,
+    )  # fmt: skip
+    wide = [AttentionSpec(0, 4, 1, 8, 0.3, 9)]  # group 0 keeps 4 keys a request
+    with pytest.raises(ValueError, match="window"):
+        _forward(CpuBackend, layout, pool, q, kv_new[:1], inputs, pos, wide, None)
+
+
+def test_the_cpu_default_and_the_eager_reference():
+    from swaserve.config import EngineConfig
+
+    assert EngineConfig(model="x", device="cpu").backend_name() == "cpu"
+    assert EngineConfig(model="x", device="cpu", disable_fused_ops=True).backend_name() == "torch"
