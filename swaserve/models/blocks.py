@@ -43,7 +43,9 @@ class RMSNorm(nn.Module):
 
             return rmsnorm(x, self)
         if self.cpu_scale is not None:
-            return torch.rms_norm(x, (x.shape[-1],), self.cpu_scale, self.eps)
+            from swaserve.ops.cpu_prologue import rmsnorm
+
+            return rmsnorm(self, x)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -61,6 +63,12 @@ def add_rmsnorm(
         from swaserve.ops.rmsnorm import fused_add_rmsnorm
 
         return fused_add_rmsnorm(x, residual, norm, x_norm)
+    if norm.cpu_scale is not None:
+        from swaserve.ops.cpu_prologue import add_rmsnorm as cpu_add_rmsnorm
+
+        done = cpu_add_rmsnorm(x, residual, norm, x_norm)
+        if done is not None:
+            return done
     if x_norm is not None:
         x = x_norm(x)
     s = residual + x

@@ -1,4 +1,5 @@
-"""The CPU's native kernels (`swaserve/ops/native/*.c`), built at first use (issue 14, item 4).
+"""The CPU's native kernels (`swaserve/ops/native/*.c`, one library), built at first use (issue
+14, item 4).
 
 Plain C99 with OpenMP, compiled by the system's C compiler (`$CC`, else `cc`) into
 `$SWASERVE_CACHE/native` (~/.cache/swaserve/native) and loaded through ctypes: no torch headers,
@@ -33,7 +34,7 @@ from swaserve.weights.gguf import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
+_SOURCES = sorted((Path(__file__).with_name("native")).glob("*.c"))
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu99")
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 
@@ -45,6 +46,14 @@ _SIGNATURES = {
          _I64, _I64, _I64, _I64, _F32, _F32, _PTR, _I64, _I64, _I64],
     ),
     "swa_store_f32": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]),
+    # native/norms.c
+    "swa_rmsnorm": (None, [_PTR, _PTR, _I64, _PTR, _F32, _I64, _I64]),
+    "swa_add_rmsnorm": (
+        None, [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _F32, _I64, _I64]
+    ),
+    "swa_qk_prologue": (
+        None, [_PTR, _PTR, _I64, _PTR, _F32, _PTR, _PTR, _I64, _I64, _I64]
+    ),
 }
 
 
@@ -63,13 +72,13 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in _SOURCES)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
         b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
     out_dir = cache_root() / "native"
-    path = out_dir / f"{_SOURCE.stem}-{key}.so"
+    path = out_dir / f"swaserve-cpu-{key}.so"
     if path.exists():
         return path
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,11 +86,11 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         res = subprocess.run(
-            [cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+            [cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
             timeout=300,
         )  # fmt: skip
         if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {_SOURCE.name}:\n{res.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {_SOURCES[0].parent}:\n{res.stderr[-2000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

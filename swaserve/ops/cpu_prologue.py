@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from swaserve.ops import cpu_native
+
 if TYPE_CHECKING:
     from swaserve.engine.forward_batch import ForwardBatch
     from swaserve.models.blocks import Attention, RMSNorm, Rotary
@@ -76,6 +78,52 @@ def rope_tables(rotary: Rotary, fb: ForwardBatch) -> tuple[torch.Tensor, torch.T
     return tables
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """`x` as rows of its last dimension (a view when it can be) and their stride, for the
+    native kernels; None when they do not apply (no library, not float32)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or cpu_native.library() is None:
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows, rows.stride(0)
+
+
+def rmsnorm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` for a norm with `cpu_scale`: native/norms.c, else one `torch.rms_norm`."""
+    r = _rows(x)
+    if r is None:
+        return torch.rms_norm(x, (x.shape[-1],), norm.cpu_scale, norm.eps)
+    rows, stride = r
+    out = torch.empty(x.shape, dtype=torch.float32)
+    cpu_native.library().swa_rmsnorm(
+        out.data_ptr(), rows.data_ptr(), stride, norm.cpu_scale.data_ptr(), norm.eps,
+        rows.shape[0], rows.shape[1],
+    )  # fmt: skip
+    return out
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, x_norm: RMSNorm | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`blocks.add_rmsnorm` in one native pass: (norm(s), s) for s = residual + x_norm(x) (or
+    + x); None where the kernel does not apply (the caller's torch ops then)."""
+    if norm.cpu_scale is None or (x_norm is not None and x_norm.cpu_scale is None):
+        return None
+    rx, rr = _rows(x), _rows(residual)
+    if rx is None or rr is None or rx[0].shape != rr[0].shape:
+        return None
+    n, dim = rx[0].shape
+    s = torch.empty(residual.shape, dtype=torch.float32)
+    normed = torch.empty(residual.shape, dtype=torch.float32)
+    xs = cpu_native.ptr(x_norm.cpu_scale) if x_norm is not None else None
+    cpu_native.library().swa_add_rmsnorm(
+        normed.data_ptr(), s.data_ptr(), rx[0].data_ptr(), rx[1], rr[0].data_ptr(), rr[1], xs,
+        x_norm.eps if x_norm is not None else 0.0, norm.cpu_scale.data_ptr(), norm.eps, n, dim,
+    )  # fmt: skip
+    return normed, s
+
+
 def qk_prologue(
     attn: Attention, qkv: torch.Tensor, fb: ForwardBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +131,21 @@ def qk_prologue(
     q|k|v projection output `[T, (H + 2 Hkv) D]`."""
     s = attn.spec
     t, heads, d = qkv.shape[0], s.num_heads + s.num_kv_heads, s.head_dim
+    cos, sin = rope_tables(attn.rotary, fb)
+    lib = cpu_native.library()
+    if (lib is not None and qkv.dtype == torch.float32 and qkv.stride(-1) == 1 and t
+            and cos.is_contiguous() and sin.is_contiguous()):
+        out = torch.empty(t, heads, d, dtype=torch.float32)
+        scale = attn.cpu_qk_scale
+        lib.swa_qk_prologue(
+            out.data_ptr(), qkv.data_ptr(), qkv.stride(0), cpu_native.ptr(scale),
+            attn.q_norm.eps if scale is not None else 0.0, cos.data_ptr(), sin.data_ptr(), t,
+            heads, d,
+        )  # fmt: skip
+        return out[:, : s.num_heads], out[:, s.num_heads :]
     qk = qkv[:, : heads * d].view(t, heads, d)
     if attn.cpu_qk_scale is not None:
         qk = torch.rms_norm(qk, (d,), None, attn.q_norm.eps) * attn.cpu_qk_scale
-    cos, sin = rope_tables(attn.rotary, fb)
     swapped = qk.view(t, heads, 2, d // 2).flip(2).view(t, heads, d)
     out = qk * cos + swapped * sin
     return out[:, : s.num_heads], out[:, s.num_heads :]

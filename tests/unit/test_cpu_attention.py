@@ -149,3 +149,21 @@ def test_the_cpu_default_and_the_eager_reference():
 
     assert EngineConfig(model="x", device="cpu").backend_name() == "cpu"
     assert EngineConfig(model="x", device="cpu", disable_fused_ops=True).backend_name() == "torch"
+
+
+@pytest.mark.parametrize("d", [64, 256, 24])  # 24: the plain C path (head_dim % 16 != 0)
+def test_peaked_and_flat_scores(d):
+    """Scores from far below to near the row's maximum (the kernel's own exponential) and all
+    equal, over several blocks of keys."""
+    qlens, ctxs = [1, 1, 5], [200, 130, 90]
+    layout, pool, q, kv_new, inputs, pos = _step(
+        qlens, ctxs, window=300, h=2, hkv=1, d=d, kv_dtype=torch.float32,
+        q_dtype=torch.float32, seed=d,
+    )  # fmt: skip
+    # peaked: scores of spread 5 (e^-30 and below to the maximum); flat: all zero
+    for scale in (5 * d**-0.5, 0.0):
+        specs = [AttentionSpec(0, 2, 1, d, scale, 300), AttentionSpec(1, 2, 1, d, scale, None)]
+        want, _ = _forward(TorchBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
+        got, _ = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
+        for w, o in zip(want, got):
+            torch.testing.assert_close(o, w, atol=2e-5, rtol=1e-5)

@@ -1,5 +1,7 @@
 """The CPU float32 norms and q/k prologue (swaserve/ops/cpu_prologue.py) give the eager
-reference's values bit for bit: RMSNorm (Gemma's 1 + w and Llama's w), q/k norms with rotary
+reference's values: bit for bit in torch ops (no native library), within a few ulps through
+native/norms.c (its sums of squares add in another order; its rotary alone is bit-equal):
+RMSNorm (Gemma's 1 + w and Llama's w), the residual add and sandwich norm, q/k norms with rotary
 (with and without YaRN's scaling), rotary alone; the cos/sin tables are built once a step per
 rotary kind; partial rotary keeps the eager path."""
 
@@ -10,19 +12,53 @@ import torch
 
 from swaserve.attention.torch_backend import TorchBackend  # noqa: F401  (import order)
 from swaserve.engine.forward_batch import ForwardBatch
-from swaserve.models.blocks import Attention, AttentionSpec, RMSNorm, Rotary
-from swaserve.ops import cpu_prologue
+from swaserve.models.blocks import Attention, AttentionSpec, RMSNorm, Rotary, add_rmsnorm
+from swaserve.ops import cpu_native, cpu_prologue
+
+# torch ops, or native/norms.c where a C compiler is
+PATHS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
+    not cpu_native.available(), reason="no C compiler here"))]  # fmt: skip
 
 
+@pytest.fixture
+def path(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    return request.param
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, path: str) -> None:
+    if path == "torch":
+        assert torch.equal(got, want)
+    else:  # a few float32 ulps: the sum of squares in another order
+        torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
 @pytest.mark.parametrize("unit_offset", [True, False])
-@pytest.mark.parametrize("shape", [(3, 64), (16, 4, 32), (1, 640)])
-def test_rms_norm_bit_equal(unit_offset, shape):
+@pytest.mark.parametrize("shape", [(3, 64), (16, 4, 32), (1, 640), (70, 640)])
+def test_rms_norm_equals_eager(path, unit_offset, shape):
     norm = RMSNorm(shape[-1], 1e-6, unit_offset)
     norm.weight.data = torch.randn(shape[-1]) * 0.3
     x = torch.randn(*shape) * 5
     ref = norm(x)
     norm.cpu_scale = cpu_prologue.norm_scale(norm)
-    assert torch.equal(norm(x), ref)
+    _same(norm(x), ref, path)
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("sandwich", [True, False])  # Gemma's norm of x first, Llama's none
+@pytest.mark.parametrize("rows", [16, 70])  # a decode step; more rows than one thread takes
+def test_add_rmsnorm_equals_eager(path, sandwich, rows):
+    norm, x_norm = RMSNorm(640, 1e-6, True), RMSNorm(640, 1e-5, True)
+    norm.weight.data, x_norm.weight.data = torch.randn(640) * 0.3, torch.randn(640) * 0.3
+    x, residual = torch.randn(rows, 640) * 4, torch.randn(rows, 640) * 30
+    want = add_rmsnorm(x, residual, norm, x_norm if sandwich else None)
+    for m in (norm, x_norm):
+        m.cpu_scale = cpu_prologue.norm_scale(m)
+    got = add_rmsnorm(x, residual, norm, x_norm if sandwich else None)
+    for g, w in zip(got, want):
+        _same(g, w, path)
 
 
 def _attention(qk_norm: bool, scaling: float = 1.0, rot_dims: int = 32) -> Attention:
@@ -42,8 +78,9 @@ def _fb(positions: torch.Tensor) -> ForwardBatch:
                         kv=None)  # fmt: skip
 
 
+@pytest.mark.parametrize("path", PATHS, indirect=True)
 @pytest.mark.parametrize("qk_norm,scaling", [(True, 1.0), (False, 1.0), (True, 1.37)])
-def test_qk_prologue_bit_equal(qk_norm, scaling):
+def test_qk_prologue_equals_eager(path, qk_norm, scaling):
     attn = _attention(qk_norm, scaling)
     t = 7
     qkv = torch.randn(t, (4 + 2 * 2) * 32) * 3
@@ -57,7 +94,9 @@ def test_qk_prologue_bit_equal(qk_norm, scaling):
     assert attn.cpu_prologue
     fb = _fb(positions)
     got_q, got_k = cpu_prologue.qk_prologue(attn, qkv, fb)
-    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+    # rotary alone is bit-equal on both paths (no fused multiply-adds in the kernel)
+    _same(got_q, ref_q, path if qk_norm else "torch")
+    _same(got_k, ref_k, path if qk_norm else "torch")
     # a second layer of the same rotary kind reuses the step's tables
     other = _attention(qk_norm, scaling)
     cpu_prologue.enable(other)
