@@ -1,7 +1,7 @@
 """The CPU backend's native paged attention (swaserve/ops/native/paged_attention.c) against the
-torch backend on the same pool: decodes, short and long chunks in one step (the long ones stay
-with torch), sliding and full layers, GQA, soft-capping, sinks, float32, bfloat16 and FP8
-pools, retired pages."""
+torch backend on the same pool: decodes and chunks of any length in one step, sliding and full
+layers, GQA, soft-capping, sinks, float32, bfloat16 and FP8 pools (whose chunks stay with
+torch), retired pages; a row's result whatever rows it is computed with."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swaserve.attention.base import AttentionInputs
-from swaserve.attention.cpu_backend import NATIVE_MAX_QUERY, CpuBackend
+from swaserve.attention.cpu_backend import CpuBackend
 from swaserve.attention.torch_backend import TorchBackend
 from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.memory.groups import build_layout
@@ -60,9 +60,9 @@ def _forward(backend_cls, layout, pool, q, kv_new, inputs, pos, specs, sinks):
     return outs, fb
 
 
-CASES = [  # qlens, ctxs: decodes, short chunks (native) and long ones (torch) in one step
+CASES = [  # qlens, ctxs: decodes; decodes and chunks (rows of several work items) in one step
     ([1, 1, 1, 1, 1], [0, 7, 23, 40, 150]),  # past one block of 64 keys
-    ([1, 3, NATIVE_MAX_QUERY, NATIVE_MAX_QUERY + 1, 1, 30], [17, 6, 70, 0, 31, 4]),
+    ([1, 3, 16, 17, 1, 30, 70], [17, 6, 70, 0, 31, 4, 60]),
 ]
 
 
@@ -82,8 +82,7 @@ def test_native_equals_torch_backend(qlens, ctxs, h, hkv, d, softcap, use_sinks)
     before = pool.pages.clone()
     got, fb = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, sinks)
     assert torch.equal(pool.pages, before)  # the native store wrote what the torch one did
-    native = fb.metadata.groups[0]._views["native"]["native"].tolist()
-    assert native == [r for r, n in enumerate(qlens) if n <= NATIVE_MAX_QUERY]
+    assert fb.metadata.groups[0]._views["native"]["native"].tolist() == list(range(len(qlens)))
     for w, o in zip(want, got):
         assert not o.isnan().any()
         torch.testing.assert_close(o, w, atol=2e-5, rtol=1e-5)
@@ -102,36 +101,33 @@ def test_native_reads_bf16_and_fp8_pools(kv_dtype, q_dtype):
     want, _ = _forward(TorchBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
     got, fb = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
     native = fb.metadata.groups[0]._views["native"]["native"].tolist()
-    limit = 1 if kv_dtype == FP8 else NATIVE_MAX_QUERY
-    assert native == [r for r, n in enumerate(qlens) if n <= limit]
+    assert native == [r for r, n in enumerate(qlens) if kv_dtype != FP8 or n == 1]
     tol = 1e-2 if q_dtype == torch.bfloat16 else 2e-5
     for w, o in zip(want, got):
         assert o.dtype == q_dtype
         torch.testing.assert_close(o.float(), w.float(), atol=tol, rtol=tol)
 
 
-def test_a_row_equals_itself_in_any_batch():
-    """A query row's result does not depend on the rest of the step: a decode alone, the same
-    decode beside others, and the same position as the last row of a verify-sized chunk."""
-    window, h, hkv, d = 6, 4, 1, 32
+@pytest.mark.parametrize("h,hkv,d", [(4, 1, 32), (6, 2, 16), (3, 3, 24)])  # 24: plain C
+def test_a_row_equals_itself_in_any_batch(h, hkv, d):
+    """A query row's result does not depend on the rest of the step, bit for bit: each row of
+    an 11-row chunk (several work items, across a block of 64 keys) equals a decode at its
+    position alone, and a decode beside others equals itself alone (with sinks)."""
+    window = 40
     layout, pool, q, kv_new, inputs, pos = _step(
-        [1, 4, 1], [9, 6, 20], window=window, h=h, hkv=hkv, d=d, kv_dtype=torch.float32,
+        [1, 11, 1], [9, 60, 20], window=window, h=h, hkv=hkv, d=d, kv_dtype=torch.float32,
         q_dtype=torch.float32, seed=5,
     )  # fmt: skip
     specs = [AttentionSpec(0, h, hkv, d, 0.2, window), AttentionSpec(1, h, hkv, d, 0.2, None)]
-    together, _ = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
-    alone_inputs = AttentionInputs([1], [20], page_tables=[inputs.page_tables[2]])
-    alone, _ = _forward(CpuBackend, layout, pool, q[5:6], [(k[5:6], v[5:6]) for k, v in kv_new],
-                        alone_inputs, pos[5:6], specs, None)  # fmt: skip
-    for t, a in zip(together, alone):
-        assert torch.equal(t[5:6], a)
-    # request 1's chunk of 4 at positions 6..9: its last row reads exactly what a decode at
-    # position 9 of the same table reads
-    last_inputs = AttentionInputs([1], [9], page_tables=[inputs.page_tables[1]])
-    last, _ = _forward(CpuBackend, layout, pool, q[4:5], [(k[4:5], v[4:5]) for k, v in kv_new],
-                       last_inputs, pos[4:5], specs, None)  # fmt: skip
-    for t, a in zip(together, last):
-        assert torch.equal(t[4:5], a)
+    sinks = torch.randn(h)
+    together, _ = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, sinks)
+    for row, r, ctx in [(12, 2, 20)] + [(1 + i, 1, 60 + i) for i in range(11)]:
+        alone_inputs = AttentionInputs([1], [ctx], page_tables=[inputs.page_tables[r]])
+        one = slice(row, row + 1)
+        alone, _ = _forward(CpuBackend, layout, pool, q[one], [(k[one], v[one]) for k, v in kv_new],
+                            alone_inputs, pos[one], specs, sinks)  # fmt: skip
+        for t, a in zip(together, alone):
+            assert torch.equal(t[one], a), (row, ctx)
 
 
 def test_a_layer_wider_than_its_group_is_an_error():

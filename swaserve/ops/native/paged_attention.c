@@ -16,8 +16,12 @@
  * Query head h reads KV head h / (H / Hkv). Soft-capping: s = cap * tanh(s / cap). A sink is one
  * more logit per query head in the softmax's denominator, with no value.
  *
- * Every (request, query, KV head) is one work item with its own key range, so a row's result
- * does not depend on what else is in the batch (a verify chunk's rows equal decodes').
+ * A work item is up to ROWS_MAX query vectors (rows x the G query heads of one KV head) of one
+ * request: each key row read serves all of them, so a prefill chunk reads its keys once per
+ * few rows, not once per row. Keys go in blocks aligned to multiples of BLOCK in key position,
+ * every (query, key) dot sums its 16-lane chunks in one order, and keys a query may not see
+ * weigh exactly 0: a row's result does not depend on the rows beside it (a verify chunk's
+ * rows equal decodes' bit for bit; tests/unit/test_cpu_attention.py).
  * With AVX-512 and head_dim % 16 == 0 the dots, the exponentials and the value sums run on 16
  * lanes (intrinsics); any other case takes the plain C of the same steps. Only C99, OpenMP and
  * <immintrin.h>: swaserve/ops/cpu_native.py compiles this at first use with the system's C
@@ -31,23 +35,37 @@
 #include <string.h>
 
 enum { POOL_F32 = 0, POOL_BF16 = 1, POOL_FP8 = 2 };
-#define BLOCK 64 /* keys scored before their values are summed */
+#define BLOCK 64    /* keys scored before their values are summed; blocks start at multiples */
+#define ROWS_MAX 16 /* query vectors of one work item */
 
 static inline int64_t slot_row(int64_t s, int64_t page_size, int64_t page_rows,
                                int64_t first_row) {
     return s + (s / page_size) * (page_rows - page_size) + first_row;
 }
 
-static inline const char *row_addr(const void *pool, int dtype, int64_t row, int64_t d) {
-    int64_t size = dtype == POOL_F32 ? 4 : dtype == POOL_BF16 ? 2 : 1;
-    return (const char *)pool + row * d * size;
+typedef struct {
+    const void *pool;
+    int dtype;
+    const float *lut;
+    float k_scale, v_scale;
+    int64_t Hkv, D, page_size, page_rows, first_row, row_bytes;
+} Pool;
+
+/* The pool rows (K, or V with `v`) of `n` keys at slots[0..n) for KV head kvh. */
+static void block_rows(const char **rows, const Pool *pl, const int64_t *slots, int64_t n,
+                       int64_t kvh, int v) {
+    for (int64_t j = 0; j < n; j++) {
+        int64_t row = slot_row(slots[j], pl->page_size, pl->page_rows, pl->first_row);
+        rows[j] = (const char *)pl->pool +
+                  ((row + (v ? pl->page_size : 0)) * pl->Hkv + kvh) * pl->row_bytes;
+    }
 }
 
 /* a row of the pool as float32 (a float32 pool's own memory; else converted into tmp) */
-static inline const float *row_f32(const char *src, int dtype, int64_t d, const float *lut,
-                                   float scale, float *tmp) {
-    if (dtype == POOL_F32) return (const float *)src;
-    if (dtype == POOL_BF16) {
+static inline const float *row_f32(const char *src, const Pool *pl, float scale, float *tmp) {
+    int64_t d = pl->D;
+    if (pl->dtype == POOL_F32) return (const float *)src;
+    if (pl->dtype == POOL_BF16) {
         const uint16_t *b = (const uint16_t *)src;
         for (int64_t j = 0; j < d; j++) {
             uint32_t u = (uint32_t)b[j] << 16;
@@ -56,7 +74,7 @@ static inline const float *row_f32(const char *src, int dtype, int64_t d, const 
         return tmp;
     }
     const uint8_t *b = (const uint8_t *)src;
-    for (int64_t j = 0; j < d; j++) tmp[j] = lut[b[j]] * scale;
+    for (int64_t j = 0; j < d; j++) tmp[j] = pl->lut[b[j]] * scale;
     return tmp;
 }
 
@@ -70,38 +88,77 @@ static inline void prefetch_rows(const char *const *rows, int64_t n, int64_t byt
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VEC 16
+#define VECTOR_OK(D) ((D) % VEC == 0)
 
-/* s[g * BLOCK + j] = scale * q_g . k_j for G heads and nb keys; D % 16 == 0. Four partial sums
- * a head: one accumulator chained D / 16 deep made the dot latency-bound. */
-static void score_block(float *s, const float *q, const float *const *k, int64_t nb, int64_t G,
-                        int64_t D, float scale) {
-    for (int64_t j = 0; j < nb; j++) {
-        const float *kj = k[j];
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = q + g * D;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            int64_t x = 0;
-            for (; x + 4 * VEC <= D; x += 4 * VEC) {
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + x), _mm512_loadu_ps(kj + x), a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + x + VEC),
-                                     _mm512_loadu_ps(kj + x + VEC), a1);
-                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + x + 2 * VEC),
-                                     _mm512_loadu_ps(kj + x + 2 * VEC), a2);
-                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + x + 3 * VEC),
-                                     _mm512_loadu_ps(kj + x + 3 * VEC), a3);
-            }
-            for (; x < D; x += VEC)
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + x), _mm512_loadu_ps(kj + x), a0);
-            a0 = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-            s[g * BLOCK + j] = _mm512_reduce_add_ps(a0) * scale;
-        }
+/* f[e] = the sum of a[e]'s 16 lanes, for 16 vectors at once: 45 shuffles and adds where 16
+ * `_mm512_reduce_add_ps` take ~96 instructions. Lane e's sum depends on a[e] alone (the
+ * shuffles only route), always in the same order: ((l0 + l2) + (l1 + l3)) within each 128-bit
+ * quarter, then (q0 + q2) + (q1 + q3) across quarters. */
+static inline __m512 hsum16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++) /* per quarter: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per quarter: the quarter's sums of a[4i .. 4i + 3] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
+                               _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+    __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
+                               _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88),
+                         _mm512_shuffle_f32x4(e01, e23, 0xDD));
+}
+
+/* s[v * BLOCK + j] = scale * q_v . k_j for vectors v < R and keys j in [j0, j1), in tiles of
+ * up to 4 x 4 (8 loads for 16 FMAs). Each dot has one accumulator over the chunks in order and
+ * the same lane sum (`hsum16`), whatever tile it falls in: the same bits in any tiling. */
+#define DOT_TILE(NV, NK)                                                                     \
+    static inline void dot_tile_##NV##x##NK(float *s, const float *const *q,                 \
+                                            const float *const *k, int64_t j, int64_t D,     \
+                                            float scale) {                                   \
+        __m512 a[16];                                                                        \
+        for (int e = 0; e < 16; e++) a[e] = _mm512_setzero_ps();                             \
+        for (int64_t x = 0; x < D; x += VEC) {                                               \
+            __m512 kv[NK];                                                                   \
+            for (int w = 0; w < NK; w++) kv[w] = _mm512_loadu_ps(k[j + w] + x);              \
+            for (int u = 0; u < NV; u++) {                                                   \
+                __m512 qv = _mm512_loadu_ps(q[u] + x);                                       \
+                for (int w = 0; w < NK; w++)                                                 \
+                    a[4 * u + w] = _mm512_fmadd_ps(qv, kv[w], a[4 * u + w]);                 \
+            }                                                                                \
+        }                                                                                    \
+        float f[16];                                                                         \
+        _mm512_storeu_ps(f, hsum16(a));                                                      \
+        for (int u = 0; u < NV; u++)                                                         \
+            for (int w = 0; w < NK; w++) s[u * BLOCK + j + w] = f[4 * u + w] * scale;        \
+    }
+DOT_TILE(4, 4)
+DOT_TILE(4, 1)
+DOT_TILE(1, 4)
+DOT_TILE(1, 1)
+
+static void score_block(float *s, const float *const *q, int64_t R, const float *const *k,
+                        int64_t j0, int64_t j1, int64_t D, float scale) {
+    int64_t v = 0;
+    for (; v + 4 <= R; v += 4) {
+        int64_t j = j0;
+        for (; j + 4 <= j1; j += 4) dot_tile_4x4(s + v * BLOCK, q + v, k, j, D, scale);
+        for (; j < j1; j++) dot_tile_4x1(s + v * BLOCK, q + v, k, j, D, scale);
+    }
+    for (; v < R; v++) {
+        int64_t j = j0;
+        for (; j + 4 <= j1; j += 4) dot_tile_1x4(s + v * BLOCK, q + v, k, j, D, scale);
+        for (; j < j1; j++) dot_tile_1x1(s + v * BLOCK, q + v, k, j, D, scale);
     }
 }
 
-/* e^x for x <= 0 (and x = -inf -> 0), 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
- * Taylor series to r^7 (relative error < 1e-8, under float32's rounding), times 2^n. */
+/* e^x for x <= 0, 16 lanes; exactly 0 for x < -103 (-inf: a key not seen). x = n ln2 + r,
+ * |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error < 1e-8), times 2^n. */
 static inline __m512 exp_le0(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* e^-104 is below float32's denormals */
+    /* NaN stays live and propagates (max_ps returns its second operand for a NaN) */
+    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.0f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-103.0f), x);
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -114,185 +171,187 @@ static inline __m512 exp_le0(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
-/* s[j] = e^(s[j] - m) for j < n; returns their sum. */
-static float exp_block(float *s, int64_t n, float m) {
+/* s[j] = e^(s[j] - m) for the whole block (lanes at -inf give 0); returns their sum. */
+static float exp_block(float *s, float m) {
     __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + VEC <= n; j += VEC) {
+    for (int64_t j = 0; j < BLOCK; j += VEC) {
         __m512 e = exp_le0(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
         _mm512_storeu_ps(s + j, e);
         sum = _mm512_add_ps(sum, e);
     }
-    if (j < n) {
-        __mmask16 k = (__mmask16)((1u << (n - j)) - 1);
-        __m512 e = exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv));
-        _mm512_mask_storeu_ps(s + j, k, e);
-        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
-    }
     return _mm512_reduce_add_ps(sum);
 }
 
-/* acc[g] += sum_j p[g * BLOCK + j] v_j, eight vectors of a head's accumulator held in
- * registers across the block's keys (independent chains: the FMAs do not wait on each other). */
-static void accumulate_block(float *acc, const float *p, const float *const *v, int64_t nb,
-                             int64_t G, int64_t D) {
-    for (int64_t g = 0; g < G; g++) {
-        const float *pg = p + g * BLOCK;
-        float *ag = acc + g * D;
+/* acc[v] += sum_j p[v * BLOCK + j] v_j over keys j in [j0, j1), in order: up to two vectors x
+ * eight 16-lane chunks of their accumulators held in registers across the keys. */
+#define PV_TILE(NV, NC)                                                                      \
+    static inline void pv_tile_##NV##x##NC(float *const *acc, const float *const *p,         \
+                                           const float *const *v, int64_t j0, int64_t j1,    \
+                                           int64_t x) {                                      \
+        __m512 r[NV][NC];                                                                    \
+        for (int u = 0; u < NV; u++)                                                         \
+            for (int c = 0; c < NC; c++) r[u][c] = _mm512_loadu_ps(acc[u] + x + c * VEC);    \
+        for (int64_t j = j0; j < j1; j++) {                                                  \
+            __m512 vv[NC];                                                                   \
+            for (int c = 0; c < NC; c++) vv[c] = _mm512_loadu_ps(v[j] + x + c * VEC);        \
+            for (int u = 0; u < NV; u++) {                                                   \
+                __m512 pj = _mm512_set1_ps(p[u][j]);                                         \
+                for (int c = 0; c < NC; c++) r[u][c] = _mm512_fmadd_ps(pj, vv[c], r[u][c]);  \
+            }                                                                                \
+        }                                                                                    \
+        for (int u = 0; u < NV; u++)                                                         \
+            for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc[u] + x + c * VEC, r[u][c]);    \
+    }
+PV_TILE(2, 8)
+PV_TILE(2, 1)
+PV_TILE(1, 8)
+PV_TILE(1, 1)
+
+static void accumulate_block(float *const *acc, const float *s, int64_t R,
+                             const float *const *v, int64_t j0, int64_t j1, int64_t D) {
+    const float *p[ROWS_MAX];
+    for (int64_t u = 0; u < R; u++) p[u] = s + u * BLOCK;
+    int64_t u = 0;
+    for (; u + 2 <= R; u += 2) {
         int64_t x = 0;
-        for (; x + 8 * VEC <= D; x += 8 * VEC) {
-            __m512 r[8];
-            for (int u = 0; u < 8; u++) r[u] = _mm512_loadu_ps(ag + x + u * VEC);
-            for (int64_t j = 0; j < nb; j++) {
-                __m512 pj = _mm512_set1_ps(pg[j]);
-                const float *vj = v[j] + x;
-                for (int u = 0; u < 8; u++)
-                    r[u] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + u * VEC), r[u]);
-            }
-            for (int u = 0; u < 8; u++) _mm512_storeu_ps(ag + x + u * VEC, r[u]);
-        }
-        for (; x < D; x += VEC) {
-            __m512 r0 = _mm512_loadu_ps(ag + x);
-            for (int64_t j = 0; j < nb; j++)
-                r0 = _mm512_fmadd_ps(_mm512_set1_ps(pg[j]), _mm512_loadu_ps(v[j] + x), r0);
-            _mm512_storeu_ps(ag + x, r0);
-        }
+        for (; x + 8 * VEC <= D; x += 8 * VEC) pv_tile_2x8(acc + u, p + u, v, j0, j1, x);
+        for (; x < D; x += VEC) pv_tile_2x1(acc + u, p + u, v, j0, j1, x);
+    }
+    for (; u < R; u++) {
+        int64_t x = 0;
+        for (; x + 8 * VEC <= D; x += 8 * VEC) pv_tile_1x8(acc + u, p + u, v, j0, j1, x);
+        for (; x < D; x += VEC) pv_tile_1x1(acc + u, p + u, v, j0, j1, x);
     }
 }
-#define VECTOR_OK(D) ((D) % VEC == 0)
 #else
 #define VECTOR_OK(D) 0
-static void score_block(float *s, const float *q, const float *const *k, int64_t nb, int64_t G,
-                        int64_t D, float scale) {
-    (void)s, (void)q, (void)k, (void)nb, (void)G, (void)D, (void)scale;
+static void score_block(float *s, const float *const *q, int64_t R, const float *const *k,
+                        int64_t j0, int64_t j1, int64_t D, float scale) {
+    (void)s, (void)q, (void)R, (void)k, (void)j0, (void)j1, (void)D, (void)scale;
 }
-static float exp_block(float *s, int64_t n, float m) { return (void)s, (void)n, (void)m, 0.0f; }
-static void accumulate_block(float *acc, const float *p, const float *const *v, int64_t nb,
-                             int64_t G, int64_t D) {
-    (void)acc, (void)p, (void)v, (void)nb, (void)G, (void)D;
+static float exp_block(float *s, float m) { return (void)s, (void)m, 0.0f; }
+static void accumulate_block(float *const *acc, const float *s, int64_t R,
+                             const float *const *v, int64_t j0, int64_t j1, int64_t D) {
+    (void)acc, (void)s, (void)R, (void)v, (void)j0, (void)j1, (void)D;
 }
 #endif
 
 /* The same three steps in plain C (any head_dim, any CPU). */
-static void score_block_c(float *s, const float *q, const float *const *k, int64_t nb, int64_t G,
-                          int64_t D, float scale) {
-    for (int64_t j = 0; j < nb; j++)
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = q + g * D;
+static void score_block_c(float *s, const float *const *q, int64_t R, const float *const *k,
+                          int64_t j0, int64_t j1, int64_t D, float scale) {
+    for (int64_t v = 0; v < R; v++)
+        for (int64_t j = j0; j < j1; j++) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t x = 0; x < D; x++) dot += qg[x] * k[j][x];
-            s[g * BLOCK + j] = dot * scale;
+            for (int64_t x = 0; x < D; x++) dot += q[v][x] * k[j][x];
+            s[v * BLOCK + j] = dot * scale;
         }
 }
 
-static float exp_block_c(float *s, int64_t n, float m) {
+static float exp_block_c(float *s, float m) {
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        s[j] = expf(s[j] - m);
+    for (int64_t j = 0; j < BLOCK; j++) {
+        s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - m);
         sum += s[j];
     }
     return sum;
 }
 
-static void accumulate_block_c(float *acc, const float *p, const float *const *v, int64_t nb,
-                               int64_t G, int64_t D) {
-    for (int64_t j = 0; j < nb; j++)
-        for (int64_t g = 0; g < G; g++) {
-            float pj = p[g * BLOCK + j];
-            float *ag = acc + g * D;
+static void accumulate_block_c(float *const *acc, const float *s, int64_t R,
+                               const float *const *v, int64_t j0, int64_t j1, int64_t D) {
+    for (int64_t u = 0; u < R; u++)
+        for (int64_t j = j0; j < j1; j++) {
+            float pj = s[u * BLOCK + j];
+            float *a = acc[u];
 #pragma omp simd
-            for (int64_t x = 0; x < D; x++) ag[x] += pj * v[j][x];
+            for (int64_t x = 0; x < D; x++) a[x] += pj * v[j][x];
         }
 }
 
-typedef struct {
-    const void *pool;
-    int dtype;
-    const float *lut;
-    float k_scale, v_scale;
-    int64_t Hkv, D, page_size, page_rows, first_row;
-} Pool;
-
-/* The pool rows (K, or V with `v`) of keys [b0, b0 + n) of a request's slots. */
-static void block_rows(const char **rows, const Pool *pl, const int64_t *slots, int64_t b0,
-                       int64_t n, int64_t kvh, int v) {
-    for (int64_t j = 0; j < n; j++) {
-        int64_t row = slot_row(slots[b0 + j], pl->page_size, pl->page_rows, pl->first_row);
-        rows[j] = row_addr(pl->pool, pl->dtype, (row + (v ? pl->page_size : 0)) * pl->Hkv + kvh,
-                           pl->D);
-    }
-}
-
-/* One work item: G query heads of one query row that share KV head `kvh`, over keys
- * [c0, c1) of its request's slots. `buf`: 2 * BLOCK * D floats for a non-float32 pool's rows. */
-static void attend_row(float *out, const float *q, const Pool *pl, const int64_t *slots,
-                       int64_t c0, int64_t c1, int64_t G, int64_t kvh, float scale,
-                       float softcap, const float *sinks, int64_t h0, float *buf) {
+/* One work item: R query vectors q[u] (-> out[u]) of one request and KV head, vector u seeing
+ * the keys at positions [lo[u], hi[u]]; `slots` holds the request's keys from position pos0.
+ * `buf`: 2 * BLOCK * D floats for a non-float32 pool's rows. */
+static void attend_item(float *const *out, const float *const *q, int64_t R, const int64_t *lo,
+                        const int64_t *hi, const Pool *pl, const int64_t *slots, int64_t pos0,
+                        int64_t kvh, float scale, float softcap, const float *sink,
+                        float *buf) {
     int64_t D = pl->D;
     int vec = VECTOR_OK(D);
-    float m[G], l[G], acc[G * D], s[G * BLOCK];
+    float m[ROWS_MAX], l[ROWS_MAX], s[ROWS_MAX * BLOCK], accbuf[ROWS_MAX * D];
+    float *acc[ROWS_MAX];
     const char *kraw[BLOCK], *vraw[BLOCK], *next[BLOCK];
     const float *kr[BLOCK], *vr[BLOCK];
-    int64_t bytes = D * (pl->dtype == POOL_F32 ? 4 : pl->dtype == POOL_BF16 ? 2 : 1);
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = sinks ? sinks[h0 + g] : -INFINITY;
-        l[g] = sinks ? 1.0f : 0.0f; /* the sink's exp(sink - m) with m = sink */
+    int64_t p0 = lo[0], p1 = hi[0]; /* the keys any vector sees */
+    for (int64_t u = 0; u < R; u++) {
+        p0 = lo[u] < p0 ? lo[u] : p0;
+        p1 = hi[u] > p1 ? hi[u] : p1;
+        m[u] = sink ? sink[u] : -INFINITY;
+        l[u] = sink ? 1.0f : 0.0f; /* the sink's exp(sink - m) with m = sink */
+        acc[u] = accbuf + u * D;
     }
-    memset(acc, 0, sizeof(float) * G * D);
-    for (int64_t b0 = c0; b0 < c1; b0 += BLOCK) {
-        int64_t nb = c1 - b0 < BLOCK ? c1 - b0 : BLOCK;
-        block_rows(kraw, pl, slots, b0, nb, kvh, 0);
-        block_rows(vraw, pl, slots, b0, nb, kvh, 1);
-        if (b0 == c0) prefetch_rows(kraw, nb, bytes);
-        prefetch_rows(vraw, nb, bytes);
-        int64_t nn = c1 - (b0 + nb) < BLOCK ? c1 - (b0 + nb) : BLOCK;
-        if (nn > 0) { /* the next block's keys, while this one computes */
-            block_rows(next, pl, slots, b0 + nb, nn, kvh, 0);
-            prefetch_rows(next, nn, bytes);
+    memset(accbuf, 0, sizeof(float) * R * D);
+    for (int64_t b = p0 / BLOCK * BLOCK; b <= p1; b += BLOCK) {
+        /* keys at positions b + j for j in [j0, j1) */
+        int64_t j0 = p0 > b ? p0 - b : 0, j1 = p1 + 1 - b < BLOCK ? p1 + 1 - b : BLOCK;
+        const int64_t *sl = slots + (b + j0 - pos0);
+        block_rows(kraw + j0, pl, sl, j1 - j0, kvh, 0);
+        block_rows(vraw + j0, pl, sl, j1 - j0, kvh, 1);
+        if (b <= p0) prefetch_rows(kraw + j0, j1 - j0, pl->row_bytes);
+        prefetch_rows(vraw + j0, j1 - j0, pl->row_bytes);
+        if (b + BLOCK <= p1) { /* the next block's keys, while this one computes */
+            int64_t nn = p1 + 1 - (b + BLOCK) < BLOCK ? p1 + 1 - (b + BLOCK) : BLOCK;
+            block_rows(next, pl, slots + (b + BLOCK - pos0), nn, kvh, 0);
+            prefetch_rows(next, nn, pl->row_bytes);
         }
-        for (int64_t j = 0; j < nb; j++) {
-            kr[j] = row_f32(kraw[j], pl->dtype, D, pl->lut, pl->k_scale, buf + j * D);
-            vr[j] = row_f32(vraw[j], pl->dtype, D, pl->lut, pl->v_scale, buf + (BLOCK + j) * D);
+        for (int64_t j = j0; j < j1; j++) {
+            kr[j] = row_f32(kraw[j], pl, pl->k_scale, buf + j * D);
+            vr[j] = row_f32(vraw[j], pl, pl->v_scale, buf + (BLOCK + j) * D);
         }
-        if (vec) score_block(s, q, kr, nb, G, D, scale);
-        else score_block_c(s, q, kr, nb, G, D, scale);
-        for (int64_t g = 0; g < G; g++) {
-            float *sg = s + g * BLOCK;
-            if (softcap > 0.0f)
-                for (int64_t j = 0; j < nb; j++) sg[j] = softcap * tanhf(sg[j] / softcap);
-            float mb = m[g];
-            for (int64_t j = 0; j < nb; j++) mb = sg[j] > mb ? sg[j] : mb;
-            /* m[g] = -inf only before any key and without a sink: acc and l are 0 then */
-            float corr = m[g] == -INFINITY ? 0.0f : expf(m[g] - mb);
-            float sum = vec ? exp_block(sg, nb, mb) : exp_block_c(sg, nb, mb);
-            l[g] = l[g] * corr + sum;
-            m[g] = mb;
+        for (int64_t u = 0; u < R; u++)
+            for (int64_t j = 0; j < BLOCK; j++) s[u * BLOCK + j] = -INFINITY;
+        if (vec) score_block(s, q, R, kr, j0, j1, D, scale);
+        else score_block_c(s, q, R, kr, j0, j1, D, scale);
+        for (int64_t u = 0; u < R; u++) {
+            float *su = s + u * BLOCK;
+            /* this vector's keys in the block: the rest weigh exactly 0 */
+            int64_t a = lo[u] - b > j0 ? lo[u] - b : j0, z = hi[u] + 1 - b < j1 ? hi[u] + 1 - b : j1;
+            for (int64_t j = j0; j < j1; j++) {
+                if (j < a || j >= z) su[j] = -INFINITY;
+                else if (softcap > 0.0f) su[j] = softcap * tanhf(su[j] / softcap);
+            }
+            float mb = m[u];
+            for (int64_t j = a; j < z; j++) mb = su[j] > mb ? su[j] : mb;
+            if (mb == -INFINITY) { /* no key yet and none here: nothing to add */
+                for (int64_t j = 0; j < BLOCK; j++) su[j] = 0.0f;
+                continue;
+            }
+            float corr = m[u] == -INFINITY ? 0.0f : expf(m[u] - mb);
+            float sum = vec ? exp_block(su, mb) : exp_block_c(su, mb);
+            l[u] = l[u] * corr + sum;
+            m[u] = mb;
             if (corr != 1.0f) {
-                float *ag = acc + g * D;
+                float *au = acc[u];
 #pragma omp simd
-                for (int64_t x = 0; x < D; x++) ag[x] *= corr;
+                for (int64_t x = 0; x < D; x++) au[x] *= corr;
             }
         }
-        if (vec) accumulate_block(acc, s, vr, nb, G, D);
-        else accumulate_block_c(acc, s, vr, nb, G, D);
+        if (vec) accumulate_block(acc, s, R, vr, j0, j1, D);
+        else accumulate_block_c(acc, s, R, vr, j0, j1, D);
     }
-    for (int64_t g = 0; g < G; g++) {
-        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        float *og = out + g * D;
-        const float *ag = acc + g * D;
+    for (int64_t u = 0; u < R; u++) {
+        float inv = l[u] > 0.0f ? 1.0f / l[u] : 0.0f;
 #pragma omp simd
-        for (int64_t x = 0; x < D; x++) og[x] = ag[x] * inv;
+        for (int64_t x = 0; x < D; x++) out[u][x] = acc[u][x] * inv;
     }
 }
 
 /* Attend the query rows of requests `reqs` (n_reqs of them). q and out are float32
  * [T, H, D] contiguous; slots [R, W] int64 (W = slots_w); key_pos0, ctx [R]; qsl [R + 1].
- * Returns 0, or -1 when a request's query sees no key it may read (a window narrower than its
- * group's: the caller's bug). */
+ * Returns 0, -1 when a query's window starts below the keys its request's row of `slots`
+ * holds (a layer wider than its group: the caller's bug), -2 when out of memory. */
 int swa_paged_attention(float *out, const float *q, const void *pool, int dtype,
                         const float *fp8_lut, float k_scale, float v_scale, const int64_t *slots,
                         int64_t slots_w, const int64_t *key_pos0, const int64_t *ctx,
@@ -301,15 +360,19 @@ int swa_paged_attention(float *out, const float *q, const void *pool, int dtype,
                         const float *sinks, int64_t page_size, int64_t page_rows,
                         int64_t first_row) {
     int64_t G = H / Hkv;
+    if (G > ROWS_MAX) return -3;
+    int64_t rows = ROWS_MAX / G; /* query rows of a work item */
     int64_t *first = malloc(sizeof(int64_t) * (n_reqs + 1)); /* first item of each request */
     if (!first) return -2;
     first[0] = 0;
     for (int64_t i = 0; i < n_reqs; i++) {
-        int64_t r = reqs[i];
-        first[i + 1] = first[i] + (qsl[r + 1] - qsl[r]) * Hkv;
+        int64_t r = reqs[i], n = qsl[r + 1] - qsl[r];
+        first[i + 1] = first[i] + (n + rows - 1) / rows * Hkv;
     }
     int64_t items = first[n_reqs];
-    Pool pl = {pool, dtype, fp8_lut, k_scale, v_scale, Hkv, D, page_size, page_rows, first_row};
+    int64_t esize = dtype == POOL_F32 ? 4 : dtype == POOL_BF16 ? 2 : 1;
+    Pool pl = {pool, dtype, fp8_lut, k_scale, v_scale, Hkv, D, page_size, page_rows, first_row,
+               D * esize};
     float *buf = NULL; /* per thread: a block's K and V rows as float32 (non-float32 pools) */
     if (dtype != POOL_F32) {
         buf = malloc(sizeof(float) * (size_t)omp_get_max_threads() * 2 * BLOCK * D);
@@ -321,24 +384,36 @@ int swa_paged_attention(float *out, const float *q, const void *pool, int dtype,
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad)
     for (int64_t it = 0; it < items; it++) {
-        int64_t lo = 0, hi = n_reqs - 1; /* the request holding item `it` */
-        while (lo < hi) {
-            int64_t mid = (lo + hi + 1) / 2;
-            if (first[mid] <= it) lo = mid; else hi = mid - 1;
+        int64_t a = 0, z = n_reqs - 1; /* the request holding item `it` */
+        while (a < z) {
+            int64_t mid = (a + z + 1) / 2;
+            if (first[mid] <= it) a = mid; else z = mid - 1;
         }
-        int64_t r = reqs[lo], k = it - first[lo];
-        int64_t i = k / Hkv, kvh = k % Hkv;
-        int64_t p = ctx[r] + i, start = window > 0 ? p - window + 1 : 0;
-        if (start < 0) start = 0;
-        if (start < key_pos0[r]) { /* below the keys its group keeps */
-            bad = 1;
-            continue;
+        int64_t r = reqs[a], k = it - first[a];
+        int64_t i0 = k / Hkv * rows, kvh = k % Hkv, n = qsl[r + 1] - qsl[r];
+        int64_t i1 = i0 + rows < n ? i0 + rows : n;
+        float *o[ROWS_MAX];
+        const float *qv[ROWS_MAX];
+        int64_t lo[ROWS_MAX], hi[ROWS_MAX];
+        float sk[ROWS_MAX];
+        int64_t R = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            int64_t p = ctx[r] + i, start = window > 0 ? p - window + 1 : 0;
+            if (start < 0) start = 0;
+            if (start < key_pos0[r]) bad = 1; /* below the keys its group keeps */
+            for (int64_t g = 0; g < G; g++, R++) {
+                int64_t at = ((qsl[r] + i) * H + kvh * G + g) * D;
+                o[R] = out + at;
+                qv[R] = q + at;
+                lo[R] = start;
+                hi[R] = p;
+                if (sinks) sk[R] = sinks[kvh * G + g];
+            }
         }
-        int64_t t = qsl[r] + i;
-        attend_row(out + (t * H + kvh * G) * D, q + (t * H + kvh * G) * D, &pl,
-                   slots + r * slots_w, start - key_pos0[r], p + 1 - key_pos0[r], G, kvh, scale,
-                   softcap, sinks, kvh * G,
-                   buf ? buf + (int64_t)omp_get_thread_num() * 2 * BLOCK * D : NULL);
+        if (bad) continue;
+        attend_item(o, qv, R, lo, hi, &pl, slots + r * slots_w, key_pos0[r], kvh, scale,
+                    softcap, sinks ? sk : NULL,
+                    buf ? buf + (int64_t)omp_get_thread_num() * 2 * BLOCK * D : NULL);
     }
     free(first);
     free(buf);
