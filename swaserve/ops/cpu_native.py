@@ -46,6 +46,9 @@ _SIGNATURES = {
          _I64, _I64, _I64, _I64, _F32, _F32, _PTR, _I64, _I64, _I64],
     ),
     "swa_store_f32": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]),
+    # native/bf16_screen.c
+    "swa_bf16_screen_available": (_INT, []),
+    "swa_bf16_screen": (_INT, [_PTR, _PTR, _PTR, _I64, _I64, _I64]),
     # native/norms.c
     "swa_rmsnorm": (None, [_PTR, _PTR, _I64, _PTR, _F32, _I64, _I64]),
     "swa_add_rmsnorm": (

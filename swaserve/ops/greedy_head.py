@@ -2,11 +2,13 @@
 
 A greedy CPU decode step of Gemma 3 270M spends ~40% of its time in the tied 262,144 x 640
 head: 16 rows of float32 logits read 671 MB and take ~36 ms, of which only the argmax is kept.
-On a CPU with AVX512-BF16 the same GEMM on a bfloat16 copy takes ~19 ms. Its logits are not the
-float32 ones, but their error has a rigorous bound, so the screen can name every token that
-could be the float32 argmax; those few (median 1, mean ~12 on Gemma) are then rescored in
-float32 from the packed float32 table. The token is the float32 argmax, ties to the lowest id
-as `row_argmax`: greedy output does not change.
+On a CPU with AVX512-BF16 the same GEMM on a bfloat16 copy takes ~20 ms through oneDNN, ~16
+through native/bf16_screen.c (`cpu_native`; the same arithmetic with the sums in another
+order, which the bound allows; used where it is built and the table is 16k x 2j). Its logits
+are not the float32 ones, but their error has a rigorous bound, so the screen can name every
+token that could be the float32 argmax; those few (median 1, mean ~12 on Gemma) are then
+rescored in float32 from the packed float32 table. The token is the float32 argmax, ties to
+the lowest id as `row_argmax`: greedy output does not change.
 
 The bound, for one row x and vocabulary row w (K = hidden, u = 2^-8 bfloat16's unit roundoff,
 g = K 2^-24 / (1 - K 2^-24) the float32 dot product's, S = sum |x_i w_i| <= |x| |w|):
@@ -37,6 +39,7 @@ import os
 
 import torch
 
+from swaserve.ops import cpu_native
 from swaserve.ops.cpu_linear import BATCH_HINT, PackedWeight
 
 _U = 2.0**-8  # bfloat16 unit roundoff (8 significant bits, round to nearest even)
@@ -72,7 +75,14 @@ class GreedyHead:
         self.exact = weight
         k = weight.shape[1]
         dense, max_norm = weight.converted(torch.bfloat16)
-        self.screen = torch.ops.mkldnn._reorder_linear_weight(dense, BATCH_HINT)
+        v = weight.shape[0]
+        lib = cpu_native.library()
+        self.screen = self.pairs = None
+        if lib is not None and lib.swa_bf16_screen_available() and v % 16 == 0 and k % 2 == 0:
+            # native/bf16_screen.c's layout: [V / 16, K / 2, 16] bfloat16 pairs
+            self.pairs = dense.view(v // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+        else:
+            self.screen = torch.ops.mkldnn._reorder_linear_weight(dense, BATCH_HINT)
         del dense
         g = _gamma(k)
         c = 2 * _U + _U * _U + g * (1 + _U) ** 2 + g
@@ -88,7 +98,15 @@ class GreedyHead:
     def logits_screen(self, x: torch.Tensor) -> torch.Tensor:
         """The bfloat16 logits `[T, V]` of float32 rows `x` `[T, K]`."""
         xb = x.to(torch.bfloat16).contiguous()
-        return torch.ops.mkldnn._linear_pointwise(xb, self.screen, None, "none", [None], "")
+        if self.pairs is None:
+            return torch.ops.mkldnn._linear_pointwise(xb, self.screen, None, "none", [None], "")
+        t, (v, k) = xb.shape[0], self.exact.shape
+        out = torch.empty(t, v, dtype=torch.bfloat16)
+        if cpu_native.library().swa_bf16_screen(
+            out.data_ptr(), xb.data_ptr(), self.pairs.data_ptr(), t, v, k
+        ):
+            raise MemoryError("the bfloat16 screen could not allocate its row buffer")
+        return out
 
     def candidates(self, x: torch.Tensor, screen: torch.Tensor) -> torch.Tensor | None:
         """`[N, 2]` (row, token) pairs: every token that may be its row's float32 argmax; None

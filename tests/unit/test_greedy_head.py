@@ -3,7 +3,8 @@ argmax (`row_argmax` of F.linear) on inputs built to stress the screen — near-
 bfloat16 screen cannot separate, exact ties, all-negative rows, vocabularies not a multiple of
 its block, rows of unequal norms — its error bound holds for this CPU's bfloat16 GEMM, the
 fallbacks (NaN, overflow, flat logits) give the float32 answer, and an engine's greedy tokens
-equal the same engine's without the screen."""
+equal the same engine's without the screen. The screen runs through oneDNN and, where it is
+built (AVX512-BF16, a C compiler), through native/bf16_screen.c: both are tested."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from swaserve.ops import cpu_linear
+from swaserve.ops import cpu_linear, cpu_native
 from swaserve.ops import greedy_head as gh
 from swaserve.ops.cpu_linear import PackedWeight
 from swaserve.ops.greedy_head import GreedyHead, greedy_head_for
@@ -29,12 +30,31 @@ def _packed(w: torch.Tensor) -> PackedWeight:
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no oneDNN in this torch")
 
 
+def _native_screen() -> bool:
+    lib = cpu_native.library()
+    return lib is not None and bool(lib.swa_bf16_screen_available())
+
+
+SCREENS = ["onednn", pytest.param("native", marks=pytest.mark.skipif(
+    not _native_screen(), reason="no native bfloat16 screen here"))]  # fmt: skip
+
+
+@pytest.fixture
+def screen(request, monkeypatch):
+    """Which GEMM the heads built in the test screen with (the native one takes tables of
+    16k x 2j; the others always take oneDNN's)."""
+    if request.param == "onednn":
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    return request.param
+
+
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return row_argmax(F.linear(x, w))
 
 
-@pytest.mark.parametrize("v,k", [(5, 8), (300, 64), (1024, 96), (4099, 160)])
-def test_tokens_are_the_float32_argmax(v, k):
+@pytest.mark.parametrize("screen", SCREENS, indirect=True)
+@pytest.mark.parametrize("v,k", [(5, 8), (300, 64), (1024, 96), (4099, 160), (2048, 640)])
+def test_tokens_are_the_float32_argmax(screen, v, k):
     g = torch.Generator().manual_seed(v)
     w = torch.randn(v, k, generator=g) * torch.rand(v, 1, generator=g) * 0.3  # unequal norms
     x = torch.randn(24, k, generator=g) * 4
@@ -52,6 +72,7 @@ def test_tokens_are_the_float32_argmax(v, k):
     # all-negative rows: x opposite the rows' mean direction
     x[20:] = -w.mean(0) / w.mean(0).norm() * 50 + 0.01 * x[20:]
     head = GreedyHead(_packed(w))
+    assert (head.pairs is not None) == (screen == "native" and v % 16 == 0 and k % 2 == 0)
     assert torch.equal(head.tokens(x), _reference(x, w))
 
 
@@ -76,7 +97,7 @@ def _worst_case() -> tuple[torch.Tensor, torch.Tensor]:
     other 8: 32.1875, rounded to 32.25 on output. A bound too tight (the unit roundoff 2^-11,
     say) drops A."""
     d = 2.0**-8 - 2.0**-20
-    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)) * 0.01
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(3)) * 0.01
     w[7] = 0.0
     w[7, :32] = 1 + d
     w[3] = 0.0
@@ -87,16 +108,19 @@ def _worst_case() -> tuple[torch.Tensor, torch.Tensor]:
     return w, x
 
 
-def test_worst_case_rounding():
+@pytest.mark.parametrize("screen", SCREENS, indirect=True)
+def test_worst_case_rounding(screen):
     w, x = _worst_case()
     head = GreedyHead(_packed(w))
-    screen = head.logits_screen(x).float()
-    assert bool((screen[:, 3] >= screen[:, 7]).all())  # the screen does not pick A (32.25, 32)
+    assert (head.pairs is not None) == (screen == "native")
+    y = head.logits_screen(x).float()
+    assert bool((y[:, 3] >= y[:, 7]).all())  # the screen does not pick A (32.25, 32)
     assert torch.equal(head.tokens(x), torch.tensor([7, 7]))
     assert torch.equal(_reference(x, w), torch.tensor([7, 7]))
 
 
-def test_screen_error_is_within_the_bound():
+@pytest.mark.parametrize("screen", SCREENS, indirect=True)
+def test_screen_error_is_within_the_bound(screen):
     """|screen - exact| <= a + b |screen| on every logit (exact: float64), the premise of the
     candidates; checked on this CPU's bfloat16 GEMM, with large and small scales."""
     g = torch.Generator().manual_seed(1)
@@ -107,10 +131,11 @@ def test_screen_error_is_within_the_bound():
                                  (64, 1.0))]
     for w, x in [*cases, _worst_case()]:
         head = GreedyHead(_packed(w))
-        screen = head.logits_screen(x).double()
+        assert (head.pairs is not None) == (screen == "native" and w.shape[0] % 16 == 0)
+        y = head.logits_screen(x).double()
         exact = x.double() @ w.double().t()
         a = x.double().norm(dim=1, keepdim=True) * head._a_scale + head._a_floor
-        assert bool(((screen - exact).abs() <= a + head._b * screen.abs()).all())
+        assert bool(((y - exact).abs() <= a + head._b * y.abs()).all())
 
 
 def test_fallbacks_give_the_float32_answer(monkeypatch):
