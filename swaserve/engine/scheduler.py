@@ -149,6 +149,11 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if len(req.output_token_ids) >= req.max_tokens:
+                # Its last token is in flight (a placeholder, overlap schedule): it finishes
+                # when that is read back. Scheduling it would compute one more token, thrown
+                # away: a whole wasted step when a batch ends together.
+                continue
             if loads and self._loading(req):
                 held = True
                 continue

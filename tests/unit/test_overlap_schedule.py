@@ -129,3 +129,28 @@ def _check_cache_has_no_placeholder(engine: Engine) -> None:
         node = stack.pop()
         assert PLACEHOLDER not in list(node.key)
         stack.extend(node.children.values())
+
+
+def test_no_step_past_max_tokens(folder, monkeypatch):
+    """A request whose last token is in flight is not scheduled again: every request computes
+    its prompt and max_tokens - 1 generated tokens, as without overlap (a step launched past
+    max_tokens would compute a token that is thrown away; a whole step when a batch ends
+    together)."""
+    from swaserve.engine.core import EngineCore
+
+    computed = []
+    orig = EngineCore._launch
+
+    def launch(self, batch):
+        computed.append(sum(batch.num_new_tokens))
+        return orig(self, batch)
+
+    monkeypatch.setattr(EngineCore, "_launch", launch)
+    prompts = _prompts(4, seed=3)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = sum(len(p) + 5 - 1 for p in prompts)
+    for overlap in (False, True):
+        computed.clear()
+        outs = _run(_engine(folder, overlap, disable_prefix_cache=True), prompts, params)
+        assert all(len(tokens) == 5 for tokens, _, _ in outs)
+        assert sum(computed) == want, (overlap, computed)
