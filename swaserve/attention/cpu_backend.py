@@ -33,6 +33,7 @@ from swaserve.ops import cpu_native
 if TYPE_CHECKING:
     from swaserve.attention.kernels.rope_store import QKPrologue
 
+_MAX_GROUP = 16  # query heads a KV head serves, at most (the kernel's ROWS_MAX); more: torch
 _POOL_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _FP8_LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
@@ -55,7 +56,8 @@ class CpuBackend(TorchBackend):
         kv_stored: bool = False,
     ) -> torch.Tensor:
         kv = fb.kv
-        if self.lib is None or prologue is not None or kv.dtype not in _POOL_CODES:
+        if (self.lib is None or prologue is not None or kv.dtype not in _POOL_CODES
+                or spec.num_heads // spec.num_kv_heads > _MAX_GROUP):
             return super().forward(q, k, v, spec, sinks, fb, out, prologue, kv_stored)
         meta: TorchMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
@@ -85,11 +87,13 @@ class CpuBackend(TorchBackend):
                 spec.head_dim, spec.window or 0, spec.scale, spec.softcap or 0.0,
                 cpu_native.ptr(sk), self.page_size, page_rows, first,
             )  # fmt: skip
-            if rc != 0:
+            if rc == -1:
                 raise ValueError(
                     f"layer {spec.layer_id} (window {spec.window}) reads keys below those its "
                     "attention group keeps: its group's window is narrower"
                 )
+            if rc:
+                raise MemoryError(f"the native attention kernel failed (code {rc})")
             if of is not out:  # rows of the other requests are written below
                 sel = a["native_tokens"]
                 out[sel] = of[sel].to(out.dtype)

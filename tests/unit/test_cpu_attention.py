@@ -163,3 +163,16 @@ def test_peaked_and_flat_scores(d):
         got, _ = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
         for w, o in zip(want, got):
             torch.testing.assert_close(o, w, atol=2e-5, rtol=1e-5)
+
+
+def test_more_query_heads_a_kv_head_than_the_kernel_holds_take_torch():
+    qlens, ctxs = [1, 3], [10, 4]
+    layout, pool, q, kv_new, inputs, pos = _step(
+        qlens, ctxs, window=6, h=32, hkv=1, d=8, kv_dtype=torch.float32, q_dtype=torch.float32
+    )
+    specs = [AttentionSpec(0, 32, 1, 8, 0.3, 6), AttentionSpec(1, 32, 1, 8, 0.3, None)]
+    want, _ = _forward(TorchBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
+    got, fb = _forward(CpuBackend, layout, pool, q, kv_new, inputs, pos, specs, None)
+    assert "native" not in fb.metadata.groups[0]._views
+    for w, o in zip(want, got):
+        assert torch.equal(o, w)
