@@ -49,6 +49,7 @@ _SIGNATURES = {
     # native/bf16_screen.c
     "swa_bf16_screen_available": (_INT, []),
     "swa_bf16_screen": (_INT, [_PTR, _PTR, _PTR, _I64, _I64, _I64]),
+    "swa_screen_candidates": (_I64, [_PTR, _I64, _I64, _PTR, ctypes.c_double, _PTR, _I64]),
     # native/norms.c
     "swa_rmsnorm": (None, [_PTR, _PTR, _I64, _PTR, _F32, _I64, _I64]),
     "swa_add_rmsnorm": (

@@ -116,6 +116,9 @@ class GreedyHead:
         if not bool((xn * self._max_norm < _FINITE).all()):  # also False for NaN rows
             return None
         a = (xn * self._a_scale + self._a_floor)[:, None]
+        lib = cpu_native.library()
+        if lib is not None and screen.is_contiguous():  # its SCAN_BLOCK is _BLOCK
+            return _native_candidates(lib, screen, a, self._b)
         blocks, tail = _blocks(screen)
         m = _block_max(blocks)  # [T, nb] float64
         if tail.shape[1]:
@@ -154,6 +157,25 @@ class GreedyHead:
         best = torch.full((t,), float("-inf")).scatter_reduce(0, row, exact, "amax")
         first = torch.full((t,), torch.iinfo(torch.int64).max, dtype=torch.int64)
         return first.scatter_reduce(0, row[exact == best[row]], tok[exact == best[row]], "amin")
+
+
+def _native_candidates(lib, screen: torch.Tensor, a: torch.Tensor, b: float) -> torch.Tensor:
+    """`GreedyHead.candidates` past its overflow check, in one pass of native/bf16_screen.c
+    (~0.1 ms against ~1.4 for the torch ops on [16, 262144]): the same blocks, floor,
+    threshold and float32 rounding, in float64 likewise; pairs in row then token order."""
+    t, v = screen.shape
+    a = a.reshape(t).contiguous()
+    cap = _MAX_RESCORED
+    while True:
+        pairs = torch.empty(max(cap, 1), 2, dtype=torch.int64)
+        n = lib.swa_screen_candidates(
+            screen.data_ptr(), t, v, a.data_ptr(), b, pairs.data_ptr(), cap
+        )
+        if n < 0:
+            raise MemoryError("the candidate scan could not allocate its buffers")
+        if n <= cap:
+            return pairs[:n]
+        cap = n  # more than the rescoring takes: the caller decides (a second scan lists them)
 
 
 def _blocks(screen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

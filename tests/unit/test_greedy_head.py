@@ -138,6 +138,37 @@ def test_screen_error_is_within_the_bound(screen):
         assert bool(((y - exact).abs() <= a + head._b * y.abs()).all())
 
 
+@pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler here")
+@pytest.mark.parametrize("v", [300, 4099, 262144 // 64])  # a short tail block, none
+def test_native_candidates_equal_the_torch_ones(v, monkeypatch):
+    """native/bf16_screen.c's candidate scan lists exactly the torch code's pairs: peaked,
+    flat-ish and all-negative rows, tail blocks, near-ties at the threshold."""
+    g = torch.Generator().manual_seed(v)
+    w = torch.randn(v, 64, generator=g) * torch.rand(v, 1, generator=g)
+    x = torch.randn(12, 64, generator=g) * torch.tensor([0.01, 0.1, 1, 3, 10, 30] * 2)[:, None]
+    x[10:] = -w.mean(0) / w.mean(0).norm() * 50  # all-negative rows
+    head = GreedyHead(_packed(w))
+    y = head.logits_screen(x)
+    native = head.candidates(x, y)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_native, "library", lambda: None)
+        want = head.candidates(x, y)
+    key = lambda p: sorted(map(tuple, p.tolist()))  # noqa: E731
+    assert key(native) == key(want) and native.shape[0] > x.shape[0]
+    # Screens of coarse values (many ties and values at the thresholds), rows of positive and
+    # negative logits, the bound a about as wide as the values' spread.
+    for seed in range(20):
+        gs = torch.Generator().manual_seed(seed)
+        y = (torch.randint(-40, 40, (6, v), generator=gs) / 8).to(torch.bfloat16)
+        y[::2] -= 30  # all-negative rows: the threshold's d < 0 branch
+        xs = torch.randn(6, 64, generator=gs)
+        xs *= (torch.rand(6, 1, generator=gs) * 3 / head._a_scale) / xs.norm(dim=1, keepdim=True)
+        native = head.candidates(xs, y)
+        with monkeypatch.context() as m:
+            m.setattr(cpu_native, "library", lambda: None)
+            assert key(native) == key(head.candidates(xs, y)), seed
+
+
 def test_fallbacks_give_the_float32_answer(monkeypatch):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(600, 48, generator=g)

@@ -12,9 +12,111 @@
  * W is packed `[N / 16][K / 2][16]` of bfloat16 pairs (columns n..n+15 of the pair of rows
  * 2k, 2k + 1): one 64-byte load feeds sixteen `vdpbf16ps`, one a query row.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define SCAN_BLOCK 256 /* columns whose maximum is tested before any of them is */
+
+static inline float bf16_value(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x rounded down to float32: every float32 y >= x is >= the result. */
+static inline float down_to_float32(double x) {
+    float f = (float)x;
+    return (double)f > x ? nextafterf(f, -INFINITY) : f;
+}
+
+/* The largest of row[c0 .. c1) as float32 values. */
+static inline float block_max(const uint16_t *row, int64_t c0, int64_t c1) {
+    float mx = -INFINITY;
+    int64_t c = c0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_set1_ps(-INFINITY);
+    for (; c + 16 <= c1; c += 16) { /* bfloat16 -> float32: the bits shifted up */
+        __m256i h = _mm256_loadu_si256((const __m256i *)(row + c));
+        v = _mm512_max_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    mx = _mm512_reduce_max_ps(v);
+#endif
+    for (; c < c1; c++) {
+        float f = bf16_value(row[c]);
+        mx = f > mx ? f : mx;
+    }
+    return mx;
+}
+
+/* greedy_head.py's `candidates` for a screen y [M, N] (bfloat16, rows N apart): per row, the
+ * largest value of each block of SCAN_BLOCK columns, the row's floor lo = max over blocks of
+ * (m - a - b|m|), then every token of a block with m + a + b|m| >= lo whose value is at least
+ * the threshold t (y + a + b|y| >= lo solved for y, rounded down to float32). Writes up to
+ * `cap` (row, token) pairs to `pairs` [cap, 2], in row then token order; returns how many
+ * there are (more than cap: the caller takes the float32 head). `a` [M] in float64. */
+int64_t swa_screen_candidates(const uint16_t *y, int64_t M, int64_t N, const double *a, double b,
+                              int64_t *pairs, int64_t cap) {
+    int64_t nb = (N + SCAN_BLOCK - 1) / SCAN_BLOCK;
+    double *m = malloc(sizeof(double) * (M * nb > 0 ? M * nb : 1));
+    int64_t *count = calloc((size_t)(M > 0 ? M : 1), sizeof(int64_t));
+    float *thr = malloc(sizeof(float) * (M > 0 ? M : 1));
+    double *lo = malloc(sizeof(double) * (M > 0 ? M : 1));
+    if (!m || !count || !thr || !lo) {
+        free(m), free(count), free(thr), free(lo);
+        return -2;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M; r++) {
+        const uint16_t *row = y + r * N;
+        double best = -INFINITY;
+        for (int64_t k = 0; k < nb; k++) {
+            int64_t c1 = (k + 1) * SCAN_BLOCK < N ? (k + 1) * SCAN_BLOCK : N;
+            double md = block_max(row, k * SCAN_BLOCK, c1);
+            m[r * nb + k] = md;
+            double low = md - a[r] - b * fabs(md);
+            best = low > best ? low : best;
+        }
+        lo[r] = best;
+        double d = best - a[r];
+        thr[r] = down_to_float32(d >= 0 ? d / (1 + b) : d / (1 - b));
+        int64_t n = 0; /* this row's candidates */
+        for (int64_t k = 0; k < nb; k++) {
+            double md = m[r * nb + k];
+            if (md + a[r] + b * fabs(md) < best) continue;
+            int64_t c1 = (k + 1) * SCAN_BLOCK < N ? (k + 1) * SCAN_BLOCK : N;
+            for (int64_t c = k * SCAN_BLOCK; c < c1; c++) n += bf16_value(row[c]) >= thr[r];
+        }
+        count[r] = n;
+    }
+    int64_t total = 0;
+    for (int64_t r = 0; r < M; r++) total += count[r];
+    if (total <= cap) { /* the pairs, row by row (each row's run starts after the rows before) */
+        int64_t at = 0;
+        for (int64_t r = 0; r < M; r++) {
+            const uint16_t *row = y + r * N;
+            for (int64_t k = 0; k < nb; k++) {
+                double md = m[r * nb + k];
+                if (md + a[r] + b * fabs(md) < lo[r]) continue;
+                int64_t c1 = (k + 1) * SCAN_BLOCK < N ? (k + 1) * SCAN_BLOCK : N;
+                for (int64_t c = k * SCAN_BLOCK; c < c1; c++)
+                    if (bf16_value(row[c]) >= thr[r]) {
+                        pairs[2 * at] = r;
+                        pairs[2 * at + 1] = c;
+                        at++;
+                    }
+            }
+        }
+    }
+    free(m), free(count), free(thr), free(lo);
+    return total;
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
