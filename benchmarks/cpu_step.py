@@ -43,11 +43,19 @@ from step_profile import _engine_arg  # noqa: E402  (KEY=VALUE -> an Engine keyw
 VOCAB = 262_144  # Gemma 3
 
 
-def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    """n prompts of random ids (no special tokens: ids in [100, VOCAB - 100))."""
+def make_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = VOCAB) -> list[list[int]]:
+    """n prompts of random ids (no special tokens: ids in [100, vocab - 100))."""
     rng = random.Random(seed)
     lengths = [rng.randint(lo, hi) for _ in range(n)]
-    return [[rng.randrange(100, VOCAB - 100) for _ in range(k)] for k in lengths]
+    return [[rng.randrange(100, vocab - 100) for _ in range(k)] for k in lengths]
+
+
+def model_vocab(model: str) -> int:
+    """The model's vocabulary size (its config), for prompts of ids it accepts."""
+    from swaserve.weights.builtin import resolve_model
+    from swaserve.weights.loader import load_hf_config
+
+    return int(load_hf_config(resolve_model(model)).vocab_size)
 
 
 def proc_status_kb(field: str) -> int:
@@ -147,7 +155,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, args.seed)
+    prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, args.seed,
+                           model_vocab(args.model))
     if args.dump_ids:
         with open(args.dump_ids, "w") as f:
             json.dump(prompts, f)
