@@ -72,13 +72,13 @@ class CpuBackend(TorchBackend):
             kv.store(spec.layer_id, k, v, gm.slot_mapping)
         if out is None:
             out = torch.empty_like(q)
-        native, rest = _split(gm, meta, kv.is_fp8)
+        a = _step_arrays(gm, meta, kv.is_fp8)
+        native, rest = a["native"], a["rest"]
         if native.numel():
             qf = q.float().contiguous()
             of = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(qf)
             sk = None if sinks is None else sinks.float().contiguous()
             ks, vs = kv.layer_scales(spec.layer_id)
-            a = gm._views["native"]
             rc = self.lib.swa_paged_attention(
                 of.data_ptr(), qf.data_ptr(), rows.data_ptr(), _POOL_CODES[kv.dtype],
                 _FP8_LUT.data_ptr(), ks, vs, a["slots"].data_ptr(), a["slots"].shape[1],
@@ -102,11 +102,10 @@ class CpuBackend(TorchBackend):
         return out
 
 
-def _split(
-    gm: TorchGroupMetadata, meta: TorchMetadata, fp8: bool
-) -> tuple[torch.Tensor, list[int]]:
-    """The requests whose rows attend natively (int64 tensor) and the rest (a list), with the
-    step's arrays for the kernel, cached on the group's metadata (built by its first layer)."""
+def _step_arrays(gm: TorchGroupMetadata, meta: TorchMetadata, fp8: bool) -> dict:
+    """The step's arrays for the kernel, cached on the group's metadata (built by its first
+    layer): the requests whose rows attend natively ("native", int64) and the rest ("rest", a
+    list), the slots, key starts, contexts and query starts, and the native rows' tokens."""
     a = gm._views.get("native")
     if a is None:
         qsl = meta.query_start_loc
@@ -125,4 +124,4 @@ def _split(
             ) if native else torch.zeros(0, dtype=torch.int64),
         }  # fmt: skip
         gm._views["native"] = a
-    return a["native"], a["rest"]
+    return a

@@ -38,8 +38,9 @@ _SOURCES = sorted((Path(__file__).with_name("native")).glob("*.c"))
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu99")
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 
-# argument types of the exported functions (native/paged_attention.c)
+# result and argument types of the exported functions, by file
 _SIGNATURES = {
+    # native/paged_attention.c
     "swa_paged_attention": (
         _INT,
         [_PTR, _PTR, _PTR, _INT, _PTR, _F32, _F32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64,

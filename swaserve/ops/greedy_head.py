@@ -108,17 +108,20 @@ class GreedyHead:
             raise MemoryError("the bfloat16 screen could not allocate its row buffer")
         return out
 
-    def candidates(self, x: torch.Tensor, screen: torch.Tensor) -> torch.Tensor | None:
+    def candidates(
+        self, x: torch.Tensor, screen: torch.Tensor, limit: int | None = None
+    ) -> torch.Tensor | None:
         """`[N, 2]` (row, token) pairs: every token that may be its row's float32 argmax; None
         when some logit could overflow float32 (then the float32 head decides, NaN and inf
-        included)."""
+        included), or when there are more than `limit` (the native scan then stops counting:
+        no second pass lists pairs the caller would not rescore)."""
         xn = x.double().norm(dim=1)
         if not bool((xn * self._max_norm < _FINITE).all()):  # also False for NaN rows
             return None
         a = (xn * self._a_scale + self._a_floor)[:, None]
         lib = cpu_native.library()
         if lib is not None and screen.is_contiguous():  # its SCAN_BLOCK is _BLOCK
-            return _native_candidates(lib, screen, a, self._b)
+            return _native_candidates(lib, screen, a, self._b, limit)
         blocks, tail = _blocks(screen)
         m = _block_max(blocks)  # [T, nb] float64
         if tail.shape[1]:
@@ -141,15 +144,16 @@ class GreedyHead:
         if rows.numel():
             hit = (tail[rows] >= thr[rows, None]).nonzero()
             pairs.append(torch.stack([rows[hit[:, 0]], nb * _BLOCK + hit[:, 1]], dim=1))
-        return torch.cat(pairs)
+        out = torch.cat(pairs)
+        return None if limit is not None and out.shape[0] > limit else out
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The float32 greedy token of each row of `x` `[T, K]` (int64 `[T]`)."""
         x = x.float()
         if x.shape[0] == 0:
             return torch.zeros(0, dtype=torch.int64)
-        pairs = self.candidates(x, self.logits_screen(x))
-        if pairs is None or pairs.shape[0] > _MAX_RESCORED:
+        pairs = self.candidates(x, self.logits_screen(x), _MAX_RESCORED)
+        if pairs is None:
             return self.exact.linear(x).max(dim=1).indices
         row, tok = pairs[:, 0], pairs[:, 1]
         exact = (x[row] * self.exact.rows(tok)).sum(dim=1)
@@ -159,13 +163,15 @@ class GreedyHead:
         return first.scatter_reduce(0, row[exact == best[row]], tok[exact == best[row]], "amin")
 
 
-def _native_candidates(lib, screen: torch.Tensor, a: torch.Tensor, b: float) -> torch.Tensor:
+def _native_candidates(
+    lib, screen: torch.Tensor, a: torch.Tensor, b: float, limit: int | None
+) -> torch.Tensor | None:
     """`GreedyHead.candidates` past its overflow check, in one pass of native/bf16_screen.c
-    (~0.1 ms against ~1.4 for the torch ops on [16, 262144]): the same blocks, floor,
+    (~0.6 ms against ~1.4 for the torch ops on [16, 262144]): the same blocks, floor,
     threshold and float32 rounding, in float64 likewise; pairs in row then token order."""
     t, v = screen.shape
     a = a.reshape(t).contiguous()
-    cap = _MAX_RESCORED
+    cap = _MAX_RESCORED if limit is None else limit
     while True:
         pairs = torch.empty(max(cap, 1), 2, dtype=torch.int64)
         n = lib.swa_screen_candidates(
@@ -175,7 +181,9 @@ def _native_candidates(lib, screen: torch.Tensor, a: torch.Tensor, b: float) -> 
             raise MemoryError("the candidate scan could not allocate its buffers")
         if n <= cap:
             return pairs[:n]
-        cap = n  # more than the rescoring takes: the caller decides (a second scan lists them)
+        if limit is not None:
+            return None
+        cap = n  # no limit: a second scan lists them all
 
 
 def _blocks(screen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
