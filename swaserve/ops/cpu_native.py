@@ -34,7 +34,9 @@ from swaserve.weights.gguf import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).with_name("native")).glob("*.c"))
+_NATIVE = Path(__file__).with_name("native")
+_SOURCES = sorted(_NATIVE.glob("*.c"))
+_HASHED = sorted(_NATIVE.glob("*.[ch]"))  # the headers too: a change to one rebuilds
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu99")
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 
@@ -51,6 +53,8 @@ _SIGNATURES = {
     "swa_bf16_screen_available": (_INT, []),
     "swa_bf16_screen": (_INT, [_PTR, _PTR, _PTR, _I64, _I64, _I64]),
     "swa_screen_candidates": (_I64, [_PTR, _I64, _I64, _PTR, ctypes.c_double, _PTR, _I64]),
+    # native/act_mul.c
+    "swa_act_mul": (_INT, [_PTR, _PTR, _I64, _I64, _I64, _INT]),
     # native/norms.c
     "swa_rmsnorm": (None, [_PTR, _PTR, _I64, _PTR, _F32, _I64, _I64]),
     "swa_add_rmsnorm": (
@@ -77,7 +81,7 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    source = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in _SOURCES)
+    source = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in _HASHED)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
         b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()])

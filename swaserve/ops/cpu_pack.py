@@ -5,10 +5,12 @@ removable layer: `--disable-fused-ops` keeps every weight dense (the eager refer
 
 - every `Attention`: q/k/v become one packed GEMM (`qkv_proj`; q_proj, k_proj and v_proj are
   removed), o_proj a `PackedLinear`;
-- every `GatedMLP`: gate and up two packed GEMMs with the activation and the product in their
-  epilogues (`gated_proj`, swaserve/ops/cpu_gated.py), or, for an activation oneDNN has no
-  post-op for, one packed GEMM (`gate_up_proj`); gate_proj and up_proj are removed, down_proj
-  becomes a `PackedLinear`;
+- every `GatedMLP`: gate|up one packed GEMM with the activation and the product in a native
+  pass (`gated_proj` = `cpu_gated.NativeGatedProj`; SiLU and tanh-GELU with the native
+  kernels built), else gate and up two packed GEMMs with them in oneDNN epilogues
+  (`cpu_gated.PackedGatedProj`), else, for an activation oneDNN has no post-op for, one packed
+  GEMM (`gate_up_proj`) and torch's ops; gate_proj and up_proj are removed, down_proj becomes a
+  `PackedLinear`;
 - the head: a tied embedding table becomes a `PackedEmbedding` whose `PackedWeight` also serves
   the head's GEMM (`swaserve.models.blocks.head_logits`); an untied `lm_head` a `PackedLinear`.
 
@@ -73,7 +75,12 @@ def pack_cpu_weights(model: nn.Module) -> int:
         elif isinstance(module, GatedMLP) and not module.fused:
             gate_up = [module.gate_proj, module.up_proj]
             if _packable(*gate_up, module.down_proj):
-                if cpu_gated.available(module.act_name):  # act(gate) * up in GEMM epilogues
+                if cpu_gated.native_available(module.act_name):  # one GEMM, a native pass
+                    merged = _packed_linear(gate_up)
+                    module.gated_proj = cpu_gated.NativeGatedProj(
+                        merged.packed, merged.bias, module.act_name
+                    )
+                elif cpu_gated.available(module.act_name):  # act(gate) * up in GEMM epilogues
                     gp, up = gate_up
                     module.gated_proj = cpu_gated.PackedGatedProj(
                         PackedWeight(gp.weight), PackedWeight(up.weight), gp.bias, up.bias,

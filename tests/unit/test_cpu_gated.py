@@ -65,6 +65,7 @@ def test_refuses_mismatched_halves_and_unknown_activations():
 
 @pytest.mark.parametrize("post_ops", [True, False])
 def test_pack_picks_post_ops_or_the_merged_gemm(monkeypatch, post_ops):
+    monkeypatch.setattr(cpu_gated, "native_available", lambda act: False)
     monkeypatch.setattr(cpu_gated, "available", lambda act: post_ops)
     torch.manual_seed(2)
     mlp = GatedMLP(32, 48, "gelu_pytorch_tanh")
