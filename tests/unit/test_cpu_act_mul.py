@@ -44,7 +44,8 @@ def _native(act: str, gu: torch.Tensor) -> torch.Tensor:
     t, n2 = gu.shape
     out = torch.empty(t, n2 // 2)
     code = cpu_gated.NATIVE_ACTS[act]
-    assert cpu_native.library().swa_act_mul(out.data_ptr(), gu.data_ptr(), n2, t, n2 // 2, code) == 0
+    lib = cpu_native.library()
+    assert lib.swa_act_mul(out.data_ptr(), gu.data_ptr(), n2, t, n2 // 2, code) == 0
     return out
 
 
