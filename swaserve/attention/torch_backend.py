@@ -156,17 +156,17 @@ def padded_slots(
 ) -> torch.Tensor:
     """[R, max(ends - starts)] flat pool slots of positions [starts[r], ends[r]) of request r
     under page table row tables[r] (`[R, pages]`, zero-padded), zeros after them:
-    `slot_mapping` of every request at once."""
-    i64 = torch.int64
+    `slot_mapping` of every request at once. In numpy: a step's few small arrays cost ~2 us an
+    op there against ~10-40 in torch (~0.5 ms a step on the CPU before)."""
     width = max((e - s for s, e in zip(starts, ends)), default=0)
     pages = tables.shape[1]
     if width == 0 or pages == 0:
-        return torch.zeros(len(tables), width, dtype=i64)
-    table = torch.from_numpy(tables).to(i64)
-    pos = torch.tensor(starts, dtype=i64)[:, None] + torch.arange(width)[None, :]
-    valid = pos < torch.tensor(ends, dtype=i64)[:, None]
-    page = table.gather(1, (pos // page_size).clamp_(max=pages - 1))
-    return (page * page_size + pos % page_size).masked_fill_(~valid, 0)
+        return torch.zeros(len(tables), width, dtype=torch.int64)
+    pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width, dtype=np.int64)
+    page = np.take_along_axis(tables, np.minimum(pos // page_size, pages - 1), axis=1)
+    out = page.astype(np.int64) * page_size + pos % page_size
+    out[pos >= np.asarray(ends, dtype=np.int64)[:, None]] = 0
+    return torch.from_numpy(out)
 
 
 class TorchBackend(AttentionBackend):
@@ -179,15 +179,15 @@ class TorchBackend(AttentionBackend):
         ends = [c + n for c, n in zip(ctxs, inputs.query_lens)]
         # Token t of the step is request req[t]'s token t - qsl[req[t]], at that request's
         # position ctx + t - qsl: column ctx - start + t - qsl of its row of `padded`.
-        i64 = torch.int64
-        req = torch.repeat_interleave(torch.tensor(inputs.query_lens, dtype=i64))
-        tok = torch.arange(len(req)) - torch.tensor(qsl[:-1], dtype=i64)[req]
+        lens = np.asarray(inputs.query_lens, dtype=np.int64)
+        req = np.repeat(np.arange(len(lens)), lens)
+        tok = np.arange(len(req)) - np.asarray(qsl[:-1], dtype=np.int64)[req]
         groups = []
         for g, group in enumerate(self.layout.groups):
             starts = [0 if group.window is None else max(0, c - group.window + 1) for c in ctxs]
             padded = padded_slots(inputs.group_table(g), starts, ends, ps)
-            skip = torch.tensor([c - s for c, s in zip(ctxs, starts)], dtype=i64)
-            new_slots = padded[req, skip[req] + tok]
+            skip = np.asarray([c - s for c, s in zip(ctxs, starts)], dtype=np.int64)
+            new_slots = torch.from_numpy(padded.numpy()[req, skip[req] + tok])
             padded = padded.to(self.device)
             groups.append(
                 TorchGroupMetadata(
