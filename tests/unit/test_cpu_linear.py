@@ -114,7 +114,7 @@ def test_pack_model_same_outputs_no_dense_copy(arch, tied):
     # No dense copy of a packed weight remains: the old tensors are gone, parameters shrank by
     # their bytes and the packed ones take what they took (a few padded rows at most).
     assert all(r() is None for r in alive)
-    packed = {id(p): p for m in model.modules() for a in ("packed", "gate", "up")
+    packed = {id(p): p for m in model.modules() for a in ("packed", "gate", "up", "gate_up")
               if isinstance(p := getattr(m, a, None), PackedWeight)}  # fmt: skip
     packed_bytes = sum(p.nbytes for p in packed.values())
     assert dense_bytes <= packed_bytes <= dense_bytes * 1.5  # 64-row blocks of tiny shapes
