@@ -11,18 +11,23 @@ no CPU fast paths) on the same prompts and fails unless every greedy token is id
 `--save-tokens FILE` / `--tokens FILE` store and compare the tokens across code versions.
 `--profile` adds a torch.profiler table (top ops by self CPU time) of one run.
 
-`--vllm-cpu PEER` runs the peer first, in its own process, on the same prompts (PEER is the
-working folder of ../shared/peers/vllm_cpu/RECIPE.md: `venv/` with vllm-cpu 0.32, the model
-converted under `models/`), with that recipe's environment: its best run, the ratio, and on how
-many prompts its greedy tokens equal swaserve's are printed with the rest.
+`--vllm-cpu PEER` runs the peer in its own process, on the same prompts (PEER is the working
+folder of ../shared/peers/vllm_cpu/RECIPE.md: `venv/` with vllm-cpu 0.32, the model converted
+under `models/`), with that recipe's environment: its best run, the ratio, and on how many
+prompts its greedy tokens equal swaserve's are printed with the rest. `--peer-order first`
+(the default) runs it before swaserve's engine exists, `last` after that engine is freed. The
+order matters on the development VM: an engine that runs right after another process freed
+gigabytes runs ~5% slower (swaserve alone 180-187 tok/s; after touching and freeing 6 GB
+170-175; after vllm-cpu 167-178, RESULTS.md), so a fair pair runs both orders.
 
 Usage: python benchmarks/cpu_step.py [--runs 3] [--check] [--json] [--engine-arg KEY=VALUE ...]
-                                    [--vllm-cpu PEER]
+                                    [--vllm-cpu PEER [--peer-order first|last]]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -150,6 +155,8 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="print a torch.profiler table of one run (top ROWS ops)")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    ap.add_argument("--peer-order", choices=("first", "last"), default="first",
+                    help="run the peer before swaserve's engine exists or after it is freed")
     ap.add_argument("--vllm-cpu", metavar="PEER",
                     help="run vllm-cpu from this recipe folder first, on the same prompts")
     args = ap.parse_args()
@@ -162,9 +169,12 @@ def main() -> int:
             json.dump(prompts, f)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     peer = None
-    if args.vllm_cpu:  # first, alone: nothing else may use the CPU while it is timed
-        peer = run_vllm_cpu(args.vllm_cpu, args.model, prompts, args.max_tokens, args.runs,
+    def peer_run() -> dict:  # alone: nothing else may use the CPU while it is timed
+        return run_vllm_cpu(args.vllm_cpu, args.model, prompts, args.max_tokens, args.runs,
                             torch.get_num_threads())
+
+    if args.vllm_cpu and args.peer_order == "first":
+        peer = peer_run()
     kw = dict(_engine_arg(a) for a in args.engine_arg)
     kw = {"device": "cpu", "dtype": "float32", "disable_prefix_cache": True, "seed": 0, **kw}
 
@@ -189,6 +199,12 @@ def main() -> int:
         "rss_after_runs_mib": round(proc_status_kb("VmRSS") / 1024),
         "peak_rss_mib": round(proc_status_kb("VmHWM") / 1024),
     }
+    if args.profile:
+        print(profile_table(eng, prompts, sp, args.profile))
+    if args.vllm_cpu and args.peer_order == "last":
+        del eng
+        gc.collect()
+        peer = peer_run()
     if peer is not None:
         if "error" in peer:
             result["vllm_cpu"] = peer["error"]
@@ -199,8 +215,7 @@ def main() -> int:
             result["ratio_vs_vllm_cpu"] = round(result["tok_s"] / best, 2)
             same = sum(a == b for a, b in zip(peer["tokens"], tokens, strict=True))
             result["prompts_same_tokens_as_vllm_cpu"] = f"{same}/{len(tokens)}"
-    if args.profile:
-        print(profile_table(eng, prompts, sp, args.profile))
+        result["peer_order"] = args.peer_order
     failures = []
     if args.save_tokens:
         with open(args.save_tokens, "w") as f:
@@ -211,7 +226,7 @@ def main() -> int:
         result["tokens_match_file"] = bad is None
         failures += [f"{args.tokens}: {bad}"] if bad else []
     if args.check:
-        del eng
+        eng = None  # freed before the reference loads
         ref = Engine(model=args.model, **{**kw, "disable_fused_ops": True})
         ref_rates, ref_tokens = timed_runs(ref, prompts, sp, 1)
         bad = first_mismatch(ref_tokens, tokens)
