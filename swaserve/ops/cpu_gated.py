@@ -4,8 +4,10 @@ and a native pass (`NativeGatedProj`), or two oneDNN GEMMs with epilogues (`Pack
 `NativeGatedProj` (SiLU and tanh-GELU where native/act_mul.c is built: `cpu_pack` prefers it):
 oneDNN runs the merged [2I, K] GEMM faster than the two halves apart, and native/act_mul.c
 computes act(g) * u in one pass over its output. Gemma 3 270M, 16 rows, one MLP's gate|up:
-~615-650 us against the post-op pair's ~685-700 (2 threads, benchmarks/RESULTS.md); at a
-1,602-row prefill the two are even (the pass is memory-bound there, ~1.1 ms a layer).
+~615-650 us against the post-op pair's ~685-700 (2 threads); at a 1,602-row prefill about
+even (the pass is memory-bound there, ~1.1 ms a layer). In the engine, four A/B pairs: the
+MLPs' time -4% in decode steps, -2% in the prefill step, ~1.3% of a run (benchmarks/RESULTS.md,
+stop 41's session).
 Its activations are a few float32 ulps from torch's formulas where the result is not tiny; in
 tanh-GELU's far negative tail (x < ~-4) it is the closer of the two (torch's 1 + tanh(y)
 cancels there), tested against float64.
