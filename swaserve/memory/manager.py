@@ -33,7 +33,9 @@ Pure CPU bookkeeping: no torch, no device syncs. The KV tensors live in memory/k
 
 from __future__ import annotations
 
+import inspect
 import sys
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -355,12 +357,14 @@ class MemoryManager:
 
     def register_external_holder(self, refs: ExternalRefs) -> None:
         """Declare a holder outside request page tables (the prefix cache): `refs()` returns
-        {page: references it holds}. Used by `check_integrity` only."""
-        self._external.append(refs)
+        {page: references it holds}. Used by `check_integrity` only. A bound method is held
+        weakly (`_held`)."""
+        self._external.append(_held(refs))
 
     def register_integrity_check(self, check: Callable[[], None]) -> None:
-        """Another holder's own invariants, run at the end of `check_integrity`."""
-        self._checks.append(check)
+        """Another holder's own invariants, run at the end of `check_integrity` (a bound
+        method held weakly, `_held`)."""
+        self._checks.append(_held(check))
 
     # ---- accounting ----------------------------------------------------------------------
 
@@ -419,7 +423,10 @@ class MemoryManager:
                     occurrences[p] += 1
 
         external: Counter[int] = Counter()
-        for refs in self._external:
+        for held in self._external:
+            refs = held()
+            if refs is None:  # its holder is gone
+                continue
             for p, c in refs().items():
                 assert p != NULL_PAGE, "external holder references the NULL page"
                 external[p] += c
@@ -451,8 +458,10 @@ class MemoryManager:
                 f"group {g.index}: pages_used {self._group_pages[g.index]}, "
                 f"found {per_group[g.index]}"
             )
-        for check in self._checks:
-            check()
+        for held in self._checks:
+            check = held()
+            if check is not None:
+                check()
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -510,3 +519,15 @@ class MemoryManager:
         self._req_refs[page] -= 1
         if self._req_refs[page] == 0:
             self._group_pages[group] -= 1
+
+
+def _held(fn: Callable) -> Callable[[], Callable | None]:
+    """`fn` behind a call that returns it, or None once its object is gone: a bound method
+    weakly (its object, the prefix cache, holds this manager: a strong reference made a cycle,
+    and an engine's start-up objects sit in the collector's frozen generation (gc_heap.py),
+    which is never collected, so a dropped Engine kept its KV pool, 68.7 GiB on the H200,
+    benchmarks/RESULTS.md), any other callable strongly."""
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
