@@ -1,17 +1,16 @@
 """act(gate) * up through oneDNN post-ops (swaserve/ops/cpu_gated.py) against torch on the
 same packed GEMMs: each activation, biases, leading dims, zero rows; the product is torch's
-multiply bit for bit, the activations within a few float32 ulps; without the post-op the
-merged GEMM stays."""
+multiply bit for bit, the activations within a few float32 ulps (which gated path `cpu_pack`
+picks: test_cpu_act_mul.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from swaserve.models.blocks import ACTIVATIONS, GatedMLP
+from swaserve.models.blocks import ACTIVATIONS
 from swaserve.ops import cpu_gated, cpu_linear
 from swaserve.ops.cpu_linear import PackedWeight
-from swaserve.ops.cpu_pack import pack_cpu_weights
 
 pytestmark = pytest.mark.skipif(
     not (cpu_linear.available() and cpu_gated.available("silu")), reason="no oneDNN post-ops"
@@ -63,16 +62,4 @@ def test_refuses_mismatched_halves_and_unknown_activations():
         cpu_gated.PackedGatedProj(w, w, None, None, "relu2")
 
 
-@pytest.mark.parametrize("post_ops", [True, False])
-def test_pack_picks_post_ops_or_the_merged_gemm(monkeypatch, post_ops):
-    monkeypatch.setattr(cpu_gated, "native_available", lambda act: False)
-    monkeypatch.setattr(cpu_gated, "available", lambda act: post_ops)
-    torch.manual_seed(2)
-    mlp = GatedMLP(32, 48, "gelu_pytorch_tanh")
-    x = torch.randn(6, 32)
-    want = mlp(x)
-    pack_cpu_weights(mlp)
-    assert (mlp.gated_proj is not None) == post_ops
-    assert (mlp.gate_up_proj is not None) == (not post_ops)
-    assert not hasattr(mlp, "gate_proj") and not hasattr(mlp, "up_proj")
-    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
+# cpu_pack's choice among the gated paths: test_cpu_act_mul.py (native, post-ops, merged GEMM)
