@@ -12,6 +12,7 @@ from typing import Any
 
 from swaserve.config import EngineConfig
 from swaserve.engine.core import EngineCore
+from swaserve.engine.gc_heap import release_heap
 from swaserve.engine.output_processor import OutputProcessor
 from swaserve.outputs import RequestOutput
 from swaserve.sampling.params import SamplingParams
@@ -77,9 +78,20 @@ def child_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, n=1, seed=seed)
 
 
+class _ShutDown:
+    """What `Engine.core` becomes after `Engine.shutdown()`: any use names the cause."""
+
+    def __init__(self, model: str) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"this Engine ({self._model}) was shut down; start a new one")
+
+
 class Engine:
     """`Engine(model="gemma-3-270m", device="cpu")`; keyword arguments are EngineConfig fields
-    (the CLI flags with underscores)."""
+    (the CLI flags with underscores). `shutdown()` (or a `with` block) frees its memory now;
+    a dropped engine frees it by reference counting."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         unknown = set(kwargs) - set(EngineConfig.field_names())
@@ -172,6 +184,30 @@ class Engine:
 
     def memory_stats(self) -> dict:
         return self.core.memory_stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine and give its memory back now: tensor-parallel and expert-parallel
+        workers stop, and the KV pool, graphs and weights are freed (on a GPU, returned to the
+        device) even if something among them were held in a reference cycle, which `del`
+        alone would keep: engine starts freeze the collector's heap (gc_heap.py). Later calls
+        on this engine raise; a second shutdown does nothing."""
+        core = self.core
+        if isinstance(core, _ShutDown):
+            return
+        self.core = _ShutDown(self.config.model)
+        core.shutdown()
+        del core
+        release_heap("engine shutdown")
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ---- internals ------------------------------------------------------------------------
 

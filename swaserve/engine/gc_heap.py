@@ -32,3 +32,13 @@ def freeze_startup_heap(what: str) -> None:
     gc.freeze()
     log.debug("%s: %d start-up objects frozen for the garbage collector (%.0f ms)", what,
               gc.get_freeze_count(), (time.perf_counter() - t) * 1e3)
+
+
+def release_heap(what: str) -> None:
+    """Undo `freeze_startup_heap` and run a full collection, so that whatever a dropped engine
+    left in cycles is freed now (Engine.shutdown). The next engine start freezes again."""
+    t = time.perf_counter()
+    gc.unfreeze()
+    found = gc.collect()
+    log.debug("%s: the frozen heap released, %d unreachable objects collected (%.0f ms)", what,
+              found, (time.perf_counter() - t) * 1e3)

@@ -51,3 +51,32 @@ def test_a_dropped_engine_frees_its_kv_pool(folder, extra):
     finally:
         gc.enable()
     assert not alive, f"kept after the engine was dropped: {alive}"
+
+
+def _start(folder):
+    return Engine(model=folder, device="cpu", dtype="float32", kv_cache_gb=0.01)
+
+
+def test_shutdown_frees_what_a_cycle_would_keep(folder):
+    """A cycle planted among an engine's start-up objects survives `del` and `gc.collect()`
+    (the frozen generation); `shutdown()`, here through a `with` block, frees it."""
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    kept = _start(folder)
+    kept.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=greedy)
+    kept_pool = weakref.ref(kept.core.kv)
+    kept.core.kv.planted_cycle = kept.core
+    del kept
+    gc.collect()
+    assert kept_pool() is not None, "the planted cycle was collected: the test shows nothing"
+
+    with _start(folder) as eng:
+        out = eng.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=greedy)
+        assert len(out[0].outputs[0].token_ids) == 4
+        pool = weakref.ref(eng.core.kv)
+        eng.core.kv.planted_cycle = eng.core
+    assert pool() is None and kept_pool() is None  # both: the release collects the whole heap
+    with pytest.raises(RuntimeError, match="was shut down"):
+        eng.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=greedy)
+    with pytest.raises(RuntimeError, match="was shut down"):
+        eng.memory_stats()
+    eng.shutdown()  # a second one does nothing
