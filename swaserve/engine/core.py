@@ -21,6 +21,7 @@ from swaserve.engine.limits import (
     check_model_len,
     check_prompt,
     check_token_ids,
+    check_vocab_ids,
     fit_context,
 )
 from swaserve.engine.model_runner import ModelRunner
@@ -77,7 +78,7 @@ def _needs_history(p: SamplingParams) -> bool:
 def _plain_greedy(p: SamplingParams) -> bool:
     """The request's token is always the raw logits' argmax, with no logprobs: what the
     sampler would do for its row (no row need be built)."""
-    return (p.greedy and p.logprobs is None and p.min_tokens == 0
+    return (p.greedy and p.logprobs is None and p.min_tokens == 0 and p.logit_bias is None
             and not _needs_history(p))
 
 
@@ -482,6 +483,7 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         check_token_ids(prompt_token_ids, self.hf_config.vocab_size)
+        check_vocab_ids(params, self.hf_config.vocab_size)
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
         gen = None
         if params.seed is not None:

@@ -73,6 +73,19 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
         raise PromptError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
 
 
+def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids a request's params name (stop_token_ids, logit_bias) must be in the
+    vocabulary; PromptError naming the field otherwise."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias", params.logit_bias or ())):  # fmt: skip
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise PromptError(
+                f"{name} must name token ids below the vocabulary size {vocab_size}, got {bad[0]}",
+                name,
+            )
+
+
 def check_prompt(
     limit: int | ContextLimit, num_prompt_tokens: int, params: SamplingParams
 ) -> int:

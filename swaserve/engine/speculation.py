@@ -300,11 +300,13 @@ class Speculation:
 
 def _plain_greedy(req: Request) -> bool:
     """Every verify row of the request samples the raw logits' argmax: greedy, no penalty,
-    min_tokens reached (its first row has the fewest outputs). Sampler.target_logits would
-    return the logits untouched for such rows; this decides so without building them."""
+    min_tokens reached (its first row has the fewest outputs), no logit bias.
+    Sampler.target_logits would return the logits untouched for such rows; this decides so
+    without building them."""
     p = req.params
-    return (p.greedy and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and len(req.output_token_ids) >= p.min_tokens)
+    return (p.greedy and p.logit_bias is None and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            and len(req.output_token_ids) >= p.min_tokens)
 
 
 def _decoding(running: list[Request]) -> list[Request]:

@@ -17,6 +17,7 @@ from typing import Any
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what both torch.Generator and msgpack accept
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 def _is_int(x: Any) -> bool:
@@ -47,6 +48,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> value added to its logit before penalties and sampling (OpenAI's logit_bias;
+    # -100 in effect bans a token, +100 forces it). JSON's string keys ("50256") are accepted
+    # and normalised to int; logprobs stay those of the raw logits.
+    logit_bias: dict[int, float] | None = None
     # False: token ids only, no text (as vLLM's): saves the incremental detokenization's host
     # work per token (train-drafter's answers, benchmarks); stop strings then cannot be found
     detokenize: bool = True
@@ -79,6 +84,7 @@ class SamplingParams:
 
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "detokenize"):
             if not isinstance(getattr(self, name), bool):
@@ -125,6 +131,31 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be integers >= 0, got {t!r}")
         return list(ids)
 
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        """A dict (or the list of [id, value] pairs `to_dict` writes) -> {id: value}; an empty
+        one is None."""
+        if bias is None:
+            return None
+        if isinstance(bias, (list, tuple)) and all(
+            isinstance(kv, (list, tuple)) and len(kv) == 2 for kv in bias
+        ):
+            bias = dict(bias)
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        out: dict[int, float] = {}
+        for k, v in bias.items():
+            t = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k
+            if not (_is_int(t) and 0 <= t < 2**63):
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+            if not (_is_real(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS):  # NaN fails too
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {v!r} for token {k}"
+                )
+            out[t] = float(v)
+        return out or None
+
     # ---- derived -----------------------------------------------------------------------
 
     @property
@@ -143,8 +174,12 @@ class SamplingParams:
     # ---- IPC -----------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types only (int, float, bool, str, None, list), safe for msgpack."""
-        return asdict(self)
+        """Plain types only (int, float, bool, str, None, list), safe for msgpack (logit_bias as
+        [id, value] pairs: msgpack's default unpacker takes only string keys)."""
+        d = asdict(self)
+        if self.logit_bias is not None:
+            d["logit_bias"] = [[t, b] for t, b in self.logit_bias.items()]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:

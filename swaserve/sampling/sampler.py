@@ -4,6 +4,7 @@ Processing order (vLLM's):
 
     raw logits ──► logprobs (raw log_softmax, see logprobs.py)
         │
+        ├─ logit bias           (OpenAI's logit_bias: a value added to chosen tokens' logits)
         ├─ repetition penalty   (prompt + output tokens; HF: divide positive, multiply negative)
         ├─ frequency/presence   (output tokens; OpenAI: logit -= f * count + p * [count > 0])
         ├─ min_tokens           (eos / stop ids at -inf while fewer than min_tokens outputs)
@@ -47,11 +48,12 @@ class SamplingRow:
 
 
 def _plain_greedy_row(row: SamplingRow) -> bool:
-    """The row is argmax of the raw logits: greedy, no penalty, no min_tokens still due (the
-    per-row form of `SamplingTensors.plain_greedy`, read before any tensor is built)."""
+    """The row is argmax of the raw logits: greedy, no bias or penalty, no min_tokens still due
+    (the per-row form of `SamplingTensors.plain_greedy`, read before any tensor is built)."""
     p = row.params
     return (
         p.greedy
+        and p.logit_bias is None
         and p.repetition_penalty == 1.0
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
@@ -102,6 +104,8 @@ class SamplingTensors:
     max_top_k: int | None
     top_p: Tensor | None  # [B] float32 in (0, 1]; 1 = off
     min_p: Tensor | None  # [B] float32 in [0, 1]; 0 = off
+    logit_bias_at: Tensor | None  # flat indices into logits.view(-1) of biased tokens
+    logit_bias: Tensor | None  # float32 values added there
     repetition_penalty: Tensor | None  # [B] float32; 1 = off
     repetition_mask: Tensor | None  # [B, V] bool: token seen in prompt or output
     frequency_penalty: Tensor | None  # [B] float32
@@ -116,9 +120,10 @@ class SamplingTensors:
 
     @property
     def plain_greedy(self) -> bool:
-        """Every row is argmax of the raw logits: no penalties, no min_tokens masking."""
+        """Every row is argmax of the raw logits: no bias, penalties or min_tokens masking."""
         return (
             self.all_greedy
+            and self.logit_bias is None
             and self.repetition_penalty is None
             and self.frequency_penalty is None
             and self.min_tokens_fill is None
@@ -139,6 +144,8 @@ class SamplingTensors:
         any_unseeded_random = False
         rep_rows, freq_pres_rows = [], []
         min_tokens_fill: list[int] = []
+        bias_at: list[int] = []
+        bias: list[float] = []
         max_num_logprobs: int | None = None
         for i, row in enumerate(rows):
             p = row.params
@@ -155,6 +162,11 @@ class SamplingTensors:
                     seeded_rows.append((i, row.generator))
                 else:
                     any_unseeded_random = True
+            if p.logit_bias is not None:
+                for t, b in p.logit_bias.items():
+                    if t < V:  # ids past the vocabulary: refused where requests come in
+                        bias_at.append(i * V + t)
+                        bias.append(b)
             if p.repetition_penalty != 1.0:
                 rep_rows.append(i)
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
@@ -198,6 +210,10 @@ class SamplingTensors:
             ),
             top_p=f32(top_ps) if any(p < 1.0 for p in top_ps) else None,
             min_p=f32(min_ps) if any(p > 0.0 for p in min_ps) else None,
+            logit_bias_at=(
+                _to_device(torch.tensor(bias_at, dtype=torch.long), device) if bias else None
+            ),
+            logit_bias=f32(bias) if bias else None,
             repetition_penalty=repetition_penalty,
             repetition_mask=repetition_mask,
             frequency_penalty=frequency_penalty,
@@ -258,7 +274,10 @@ def _token_counts(
 
 
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> None:
-    """Repetition, frequency and presence penalties and min_tokens masking, in place."""
+    """Logit bias, repetition, frequency and presence penalties and min_tokens masking, in
+    place (the bias first, as vLLM's logits processors run before its penalties)."""
+    if t.logit_bias is not None:
+        logits.view(-1).index_add_(0, t.logit_bias_at, t.logit_bias)
     if t.repetition_penalty is not None:
         rp = t.repetition_penalty.unsqueeze(1)
         penalised = torch.where(logits > 0, logits / rp, logits * rp)

@@ -37,7 +37,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swaserve.engine.limits import ContextLimit, PromptError, check_prompt, check_token_ids
+from swaserve.engine.limits import (
+    ContextLimit,
+    PromptError,
+    check_prompt,
+    check_token_ids,
+    check_vocab_ids,
+)
 from swaserve.outputs import RequestOutput, merge_deltas
 from swaserve.sampling.params import SamplingParams
 from swaserve.server import protocol as P
@@ -344,10 +350,10 @@ def _params(
             raise bad(f"{name} is out of range", name)
     if params.seed is not None and params.seed + params.n - 1 > _WIRE_INT_MAX:
         raise bad("seed + n - 1 must be below 2**64 (sample i uses seed + i)", "seed")
-    if any(t >= state.vocab_size for t in params.stop_token_ids):
-        raise bad(
-            f"stop_token_ids must be below the vocabulary size {state.vocab_size}", "stop_token_ids"
-        )
+    try:
+        check_vocab_ids(params, state.vocab_size)
+    except PromptError as e:
+        raise bad(str(e), e.param) from None
     return params
 
 

@@ -67,6 +67,7 @@ class _SamplingRequest(_Strict):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> value in [-100, 100]
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse tracking; carries no behaviour
@@ -99,6 +100,7 @@ class _SamplingRequest(_Strict):
             "repetition_penalty": self.repetition_penalty,
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
+            "logit_bias": self.logit_bias,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "max_tokens": max_tokens,

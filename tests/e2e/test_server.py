@@ -259,6 +259,36 @@ def test_sampling_extras(client):
     assert greedy.choices[0].text == " three,"
 
 
+def test_logit_bias(client):
+    """OpenAI's logit_bias: +100 forces a token at every step, -100 bans the greedy choice;
+    logprobs stay those of the raw logits."""
+    prompt = "Count: one, two,"
+    forced = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logit_bias={"28": 100},
+        logprobs=1, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert extra(forced.choices[0], "token_ids") == [28] * 4
+    assert all(lp < -1 for lp in forced.choices[0].logprobs.token_logprobs)  # raw, not biased
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={"return_token_ids": True})  # fmt: skip
+    first = extra(plain.choices[0], "token_ids")[0]
+    banned = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logit_bias={str(first): -100},
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert first not in extra(banned.choices[0], "token_ids")
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=3,
+        temperature=0, logit_bias={"28": 100}, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert extra(chat.choices[0], "token_ids") == [28] * 3
+    sampled = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=1,
+        logit_bias={"28": 100}, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert extra(sampled.choices[0], "token_ids") == [28] * 6
+
+
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
@@ -507,6 +537,10 @@ ERROR_CASES = [
     ("/completions", {"prompt": [10**6], "max_tokens": 1}, None, 400, "prompt"),
     ("/completions", {"prompt": "", "max_tokens": 1}, None, 400, "prompt"),
     ("/completions", {"prompt": "hi", "suffix": "x"}, None, 400, "suffix"),
+    ("/completions", {"prompt": "hi", "logit_bias": {"49152": 1}}, None, 400, "logit_bias"),
+    ("/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, None, 400, "logit_bias"),
+    ("/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, None, 400, "logit_bias"),
+    ("/completions", {"prompt": "hi", "logit_bias": {"5": "1"}}, None, 400, "logit_bias"),
     (
         "/chat/completions",
         {
@@ -618,6 +652,10 @@ _COMMON = {
     "ignore_eos": st.booleans(),
     "min_tokens": st.integers(0, 2),
     "stop_token_ids": st.lists(st.integers(0, 50000), max_size=3),
+    "logit_bias": st.dictionaries(
+        st.one_of(st.integers(-1, 50000).map(str), st.text(max_size=3)),
+        st.floats(-120, 120), max_size=3,
+    ),
     "return_token_ids": st.booleans(),
     "user": st.text(max_size=5),
     "skip_special_tokens": st.booleans(),
@@ -668,7 +706,6 @@ _UNSUPPORTED = [
     "response_format",
     "tools",
     "tool_choice",
-    "logit_bias",
     "suffix",
     "best_of",
     "functions",
