@@ -145,3 +145,20 @@ def on_dflash_proposals(proposer, record) -> None:
         return ids
 
     proposer.propose_on_device = wrapped
+
+
+def save_byte_tokenizer(folder) -> int:
+    """A byte-level BPE tokenizer with no merges (ids 0-255: the bytes, 256: `<eos>`) saved
+    to `folder` beside a tiny model, for tests of what needs a real tokenizer (structured
+    outputs) on machines without the built-in models; returns the eos id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord)
+    vocab = {ch: i for i, ch in enumerate(chars)}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
+    return vocab["<eos>"]

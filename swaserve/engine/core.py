@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
 from swaserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow, row_argmax
+from swaserve.sampling.structured import Grammars
 from swaserve.speculative.dflash_proposer import DFlashProposer
 from swaserve.speculative.dflash_setup import build_proposer, dflash_setup
 from swaserve.speculative.metrics import SpecStats
@@ -71,8 +73,10 @@ class _Launched:
 
 
 def _needs_history(p: SamplingParams) -> bool:
-    """Penalties read the values of earlier output tokens (placeholders have none)."""
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    """Penalties and grammars read the values of earlier output tokens (placeholders have
+    none)."""
+    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0 or p.structured_outputs is not None)
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
@@ -80,6 +84,13 @@ def _plain_greedy(p: SamplingParams) -> bool:
     sampler would do for its row (no row need be built)."""
     return (p.greedy and p.logprobs is None and p.min_tokens == 0 and p.logit_bias is None
             and not _needs_history(p))
+
+
+def _tokenizer(folder: Path, name: str | None) -> Any:
+    """The model's tokenizer, loaded where a core first needs it (structured outputs)."""
+    from swaserve.engine.engine import load_tokenizer  # engine.py imports this module
+
+    return load_tokenizer(folder, name)
 
 
 def _seeded_sampling(p: SamplingParams) -> bool:
@@ -178,6 +189,8 @@ class EngineCore:
             # plain greedy steps: the head's argmax through a bfloat16 screen, exactly
             greedy_head = greedy_head_for(self.model)
         self.eos_token_ids = eos_token_ids(folder, hf)
+        self.grammars = Grammars(functools.partial(_tokenizer, folder, config.tokenizer),
+                                 int(hf.vocab_size), sorted(self.eos_token_ids))
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
         if tp is not None:  # this rank's KV heads: its pool is sized for them
             from swaserve.distributed.layers import kv_heads_per_rank
@@ -473,7 +486,11 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Validate a prompt against the context; returns the max_tokens to use."""
+        """Validate a request (its prompt against the context, the token ids its params name,
+        its grammar, compiled here and cached); returns the max_tokens to use."""
+        check_vocab_ids(params, self.hf_config.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars.matcher(params.structured_outputs)
         limit = ContextLimit(self.max_model_len, self.context_by_kv_pool)
         return check_prompt(limit, num_prompt_tokens, params)
 
@@ -483,7 +500,6 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         check_token_ids(prompt_token_ids, self.hf_config.vocab_size)
-        check_vocab_ids(params, self.hf_config.vocab_size)
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
         gen = None
         if params.seed is not None:
@@ -496,6 +512,8 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             generator=gen,
         )
+        if params.structured_outputs is not None:  # compiled by resolve_max_tokens: cached
+            req.grammar = self.grammars.matcher(params.structured_outputs)
         self.requests[request_id] = req
         self._num_history_requests += _needs_history(params)
         self._num_seeded_sampling += _seeded_sampling(params)
@@ -582,6 +600,9 @@ class EngineCore:
     def _launch(self, batch: ScheduledBatch) -> _Launched:
         """Enqueue forward + sampling of one batch; nothing here waits for the device."""
         samplers, rows = self._sampling_rows(batch)
+        for req in samplers:  # structured outputs: every earlier token was read back (history)
+            if req.grammar is not None:
+                req.token_bitmask = self.grammars.bitmask(req.grammar)
         fill = self._device_tokens(batch)
         if self.spec is not None and self.spec.device_drafts is not None:
             # a step that drafts read the one in flight back first: never both
@@ -727,7 +748,8 @@ class EngineCore:
 
     @staticmethod
     def _row(req: Request) -> SamplingRow:
-        return SamplingRow(req.params, req.generator, req.prompt_token_ids, req.output_token_ids)
+        return SamplingRow(req.params, req.generator, req.prompt_token_ids, req.output_token_ids,
+                           req.token_bitmask)
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         offset = 0
@@ -767,8 +789,14 @@ class EngineCore:
         return out
 
     def _stop_rule(self, req: Request, token: int, n_out: int) -> tuple[str | None, int | None]:
-        """(finish_reason, stop_reason) once `token` is output number n_out."""
+        """(finish_reason, stop_reason) once `token` is output number n_out. Every path that
+        outputs a token passes here once per token, in order: it also advances the request's
+        grammar, whose completion ends the request."""
         p = req.params
+        if req.grammar is not None and Grammars.advance(req.grammar, token):
+            if token in p.stop_token_ids:
+                return "stop", token
+            return "stop", None
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 return "stop", None

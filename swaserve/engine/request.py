@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +49,10 @@ class Request:
     # K/V, once computed, is dead unless accepted), and the request's counters.
     draft_token_ids: list[int] = field(default_factory=list)
     spec: SpecStats | None = None
+    # Structured outputs (sampling/structured.py): the request's xgrammar matcher, advanced by
+    # every token output, and the bitmask of its next token, filled before each sampling step.
+    grammar: Any = None
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

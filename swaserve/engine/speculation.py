@@ -152,6 +152,8 @@ class Speculation:
                 if req.request_id in self._arrays:  # keep the n-gram lookup's token array
                     arrays[req.request_id] = self._arrays[req.request_id]
                 continue
+            if req.grammar is not None:
+                continue  # structured outputs: drafts would need the grammar's mask per row
             k = min(
                 self.k,
                 req.max_tokens - len(req.output_token_ids) - 1,
@@ -243,7 +245,7 @@ class Speculation:
                 for i in range(k + 1):
                     outs = req.output_token_ids + req.draft_token_ids[:i]
                     rows.append(SamplingRow(req.params, req.generator, req.prompt_token_ids,
-                                            outs))
+                                            outs, req.token_bitmask))  # grammar: k == 0
             target = self.sampler.target_logits(logits, rows)
         R, K, V = len(requests), max(ks), logits.shape[1]
         device = logits.device
@@ -304,7 +306,8 @@ def _plain_greedy(req: Request) -> bool:
     Sampler.target_logits would return the logits untouched for such rows; this decides so
     without building them."""
     p = req.params
-    return (p.greedy and p.logit_bias is None and p.repetition_penalty == 1.0
+    return (p.greedy and p.logit_bias is None and req.grammar is None
+            and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
             and len(req.output_token_ids) >= p.min_tokens)
 

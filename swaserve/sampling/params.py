@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from swaserve.sampling.structured import normalise as normalise_structured
+
 # Below this temperature a request is treated as greedy (vLLM's _SAMPLING_EPS): dividing
 # logits by a tiny temperature only risks inf/nan for the same answer as argmax.
 SAMPLING_EPS = 1e-5
@@ -52,6 +54,10 @@ class SamplingParams:
     # -100 in effect bans a token, +100 forces it). JSON's string keys ("50256") are accepted
     # and normalised to int; logprobs stay those of the raw logits.
     logit_bias: dict[int, float] | None = None
+    # The output held to a grammar (sampling/structured.py): exactly one of {"json": schema},
+    # {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": EBNF} (vLLM's
+    # `structured_outputs`); the server maps OpenAI's response_format onto it.
+    structured_outputs: dict[str, Any] | None = None
     # False: token ids only, no text (as vLLM's): saves the incremental detokenization's host
     # work per token (train-drafter's answers, benchmarks); stop strings then cannot be found
     detokenize: bool = True
@@ -85,6 +91,7 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        self.structured_outputs = normalise_structured(self.structured_outputs)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "detokenize"):
             if not isinstance(getattr(self, name), bool):

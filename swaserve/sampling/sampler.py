@@ -4,6 +4,7 @@ Processing order (vLLM's):
 
     raw logits ──► logprobs (raw log_softmax, see logprobs.py)
         │
+        ├─ grammar              (structured outputs: tokens it does not allow at -inf)
         ├─ logit bias           (OpenAI's logit_bias: a value added to chosen tokens' logits)
         ├─ repetition penalty   (prompt + output tokens; HF: divide positive, multiply negative)
         ├─ frequency/presence   (output tokens; OpenAI: logit -= f * count + p * [count > 0])
@@ -35,6 +36,7 @@ from torch import Tensor
 
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
+from swaserve.sampling.structured import apply_token_bitmask
 
 
 @dataclass
@@ -45,6 +47,8 @@ class SamplingRow:
     generator: torch.Generator | None  # per-request generator when params.seed is set
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # structured outputs: [W] int32 host bitmask of the tokens allowed next (structured.py)
+    token_bitmask: Tensor | None = None
 
 
 def _plain_greedy_row(row: SamplingRow) -> bool:
@@ -53,6 +57,7 @@ def _plain_greedy_row(row: SamplingRow) -> bool:
     p = row.params
     return (
         p.greedy
+        and row.token_bitmask is None
         and p.logit_bias is None
         and p.repetition_penalty == 1.0
         and p.frequency_penalty == 0.0
@@ -106,6 +111,8 @@ class SamplingTensors:
     min_p: Tensor | None  # [B] float32 in [0, 1]; 0 = off
     logit_bias_at: Tensor | None  # flat indices into logits.view(-1) of biased tokens
     logit_bias: Tensor | None  # float32 values added there
+    grammar_rows: Tensor | None  # [R] int64: the rows held to a grammar
+    grammar_bitmask: Tensor | None  # [R, W] int32: their allowed tokens (structured.py)
     repetition_penalty: Tensor | None  # [B] float32; 1 = off
     repetition_mask: Tensor | None  # [B, V] bool: token seen in prompt or output
     frequency_penalty: Tensor | None  # [B] float32
@@ -123,6 +130,7 @@ class SamplingTensors:
         """Every row is argmax of the raw logits: no bias, penalties or min_tokens masking."""
         return (
             self.all_greedy
+            and self.grammar_rows is None
             and self.logit_bias is None
             and self.repetition_penalty is None
             and self.frequency_penalty is None
@@ -145,6 +153,7 @@ class SamplingTensors:
         rep_rows, freq_pres_rows = [], []
         min_tokens_fill: list[int] = []
         bias_at: list[int] = []
+        grammar_rows: list[int] = []
         bias: list[float] = []
         max_num_logprobs: int | None = None
         for i, row in enumerate(rows):
@@ -162,6 +171,8 @@ class SamplingTensors:
                     seeded_rows.append((i, row.generator))
                 else:
                     any_unseeded_random = True
+            if row.token_bitmask is not None:
+                grammar_rows.append(i)
             if p.logit_bias is not None:
                 for t, b in p.logit_bias.items():
                     if t < V:  # ids past the vocabulary: refused where requests come in
@@ -214,6 +225,16 @@ class SamplingTensors:
                 _to_device(torch.tensor(bias_at, dtype=torch.long), device) if bias else None
             ),
             logit_bias=f32(bias) if bias else None,
+            grammar_rows=(
+                _to_device(torch.tensor(grammar_rows, dtype=torch.long), device)
+                if grammar_rows
+                else None
+            ),
+            grammar_bitmask=(
+                _to_device(torch.stack([rows[i].token_bitmask for i in grammar_rows]), device)
+                if grammar_rows
+                else None
+            ),
             repetition_penalty=repetition_penalty,
             repetition_mask=repetition_mask,
             frequency_penalty=frequency_penalty,
@@ -274,8 +295,11 @@ def _token_counts(
 
 
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> None:
-    """Logit bias, repetition, frequency and presence penalties and min_tokens masking, in
-    place (the bias first, as vLLM's logits processors run before its penalties)."""
+    """The grammar's mask, logit bias, repetition, frequency and presence penalties and
+    min_tokens masking, in place (the mask and the bias first, as vLLM applies its grammar
+    bitmask and logits processors before its penalties)."""
+    if t.grammar_rows is not None:
+        apply_token_bitmask(logits, t.grammar_rows, t.grammar_bitmask)
     if t.logit_bias is not None:
         logits.view(-1).index_add_(0, t.logit_bias_at, t.logit_bias)
     if t.repetition_penalty is not None:

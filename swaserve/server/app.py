@@ -46,6 +46,7 @@ from swaserve.engine.limits import (
 )
 from swaserve.outputs import RequestOutput, merge_deltas
 from swaserve.sampling.params import SamplingParams
+from swaserve.sampling.structured import check_syntax
 from swaserve.server import protocol as P
 from swaserve.server.dp_client import DPClient
 from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestFailed
@@ -354,6 +355,12 @@ def _params(
         check_vocab_ids(params, state.vocab_size)
     except PromptError as e:
         raise bad(str(e), e.param) from None
+    if params.structured_outputs is not None:  # a bad grammar: a 400 here, not a core reject
+        try:
+            check_syntax(params.structured_outputs)
+        except ValueError as e:
+            field = "response_format" if body.response_format is not None else "structured_outputs"
+            raise bad(str(e), field) from None
     return params
 
 

@@ -2,11 +2,12 @@
 `RequestOutput`s.
 
 Requests are validated strictly: wrong types are errors (no "5" -> 5, no true -> 1), and any
-field not listed here is a 400 naming it (`response_format`, `tools`, ... are never silently
-ignored). Accepted beyond the OpenAI fields, with vLLM's names: `top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `return_token_ids`, `prompt_logprobs` (completions) and
-`add_generation_prompt` (chat). A JSON null means "the default" everywhere.
+field not listed here is a 400 naming it (`tools`, `suffix`, ... are never silently ignored).
+`response_format` (and vLLM's `structured_outputs`) become a grammar (sampling/structured.py).
+Accepted beyond the OpenAI fields, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`, `structured_outputs`, `return_token_ids`, `prompt_logprobs`
+(completions) and `add_generation_prompt` (chat). A JSON null means "the default" everywhere.
 
 Logprobs follow each endpoint's OpenAI format: completions give parallel lists (`tokens`,
 `token_logprobs`, `top_logprobs`, `text_offset`), chat gives `content: [{token, logprob,
@@ -19,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from swaserve.outputs import Logprob
 from swaserve.sampling.params import SamplingParams
@@ -33,6 +34,30 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # schemas are always enforced
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object),
+    "json_schema" (the given schema); held by a grammar (sampling/structured.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return {"json": self.json_schema.schema_}
 
 
 def _check_unicode(x: Any) -> None:
@@ -68,6 +93,8 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> value in [-100, 100]
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json" | "regex" | ...: ...}
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse tracking; carries no behaviour
@@ -86,6 +113,13 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def _structured_outputs(self) -> dict[str, Any] | None:
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("response_format and structured_outputs: give one of them")
+        if self.response_format is not None:
+            return self.response_format.structured_outputs()
+        return self.structured_outputs
+
     def _params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams:
@@ -101,6 +135,7 @@ class _SamplingRequest(_Strict):
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "logit_bias": self.logit_bias,
+            "structured_outputs": self._structured_outputs(),
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "max_tokens": max_tokens,

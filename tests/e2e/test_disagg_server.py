@@ -167,6 +167,10 @@ def test_n_and_seeded_sampling_equal_single(pd, single):
         dict(n=3, temperature=0.9, seed=7, max_tokens=10),  # every sample's first token: prefill
         dict(n=2, temperature=0, max_tokens=8),
         dict(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16),
+        # a grammar: its first token sampled on the prefill side, the rest here
+        dict(temperature=0.9, seed=3, max_tokens=12,
+             extra_body={"structured_outputs": {"regex": "[a-z ]{1,30}[.]"}}),
+        dict(temperature=0, max_tokens=24, extra_body={"response_format": {"type": "json_object"}}),
     ):
         a = completion(router, prompt="Once upon a time", **kw)
         b = completion(single, prompt="Once upon a time", **kw)

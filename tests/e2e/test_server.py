@@ -289,6 +289,40 @@ def test_logit_bias(client):
     assert extra(sampled.choices[0], "token_ids") == [28] * 6
 
 
+def test_response_format(client):
+    """OpenAI's response_format (a JSON schema, any JSON object; streamed too) and vLLM's
+    structured_outputs (a regex, a choice) hold the output to their grammar."""
+    person = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    ask = [{"role": "user", "content": "Describe a person named Ann who is 31, as JSON."}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": person, "strict": True}},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    got = json.loads(r.choices[0].message.content)
+    assert set(got) == {"name", "age"} and isinstance(got["age"], int)
+    stream = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=80,
+                                            temperature=0, response_format={"type": "json_object"},
+                                            stream=True)  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    if chunks[-1].choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert text.lstrip().startswith("{")
+    r = client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=12,
+                                  temperature=0.8, seed=2,
+                                  extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=5,
+        temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )  # fmt: skip
+    assert r.choices[0].message.content in ("yes", "no")
+
+
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
@@ -543,15 +577,36 @@ ERROR_CASES = [
     ("/completions", {"prompt": "hi", "logit_bias": {"5": "1"}}, None, 400, "logit_bias"),
     (
         "/chat/completions",
-        {
-            "messages": [{"role": "user", "content": "hi"}],
-            "response_format": {"type": "json_object"},
-            "tools": [],
-        },
+        {"messages": [{"role": "user", "content": "hi"}], "tools": []},
+        None,
+        400,
+        "tools",
+    ),
+    (
+        "/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+             "type": "nonsense"}}}},
         None,
         400,
         "response_format",
     ),
+    (
+        "/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        None,
+        400,
+        "response_format",
+    ),
+    ("/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, None, 400,
+     "response_format"),
+    ("/completions", {"prompt": "hi", "structured_outputs": {"regex": "("}}, None, 400,
+     "structured_outputs"),
+    ("/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     None, 400, "structured_outputs"),
+    ("/completions", {"prompt": "hi", "structured_outputs": {"regex": "a"},
+                      "response_format": {"type": "json_object"}}, None, 400, "response_format"),
     (
         "/chat/completions",
         {"messages": [{"role": "wizard", "content": "hi"}]},
@@ -656,6 +711,13 @@ _COMMON = {
         st.one_of(st.integers(-1, 50000).map(str), st.text(max_size=3)),
         st.floats(-120, 120), max_size=3,
     ),
+    "response_format": st.sampled_from([
+        {"type": "text"}, {"type": "json_object"}, {"type": "xml"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
+    ]),
+    "structured_outputs": st.sampled_from([
+        {"regex": "[a-c]+"}, {"choice": ["x", "y"]}, {"regex": "("}, {"json": "[]"}, {},
+    ]),
     "return_token_ids": st.booleans(),
     "user": st.text(max_size=5),
     "skip_special_tokens": st.booleans(),
@@ -703,7 +765,6 @@ _CHAT = st.fixed_dictionaries(
     },
 )
 _UNSUPPORTED = [
-    "response_format",
     "tools",
     "tool_choice",
     "suffix",

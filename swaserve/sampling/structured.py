@@ -1,0 +1,183 @@
+"""Structured outputs: a request's tokens held to a grammar (a JSON schema, any JSON object, a
+regular expression, a choice of strings, or an EBNF grammar), through xgrammar, as vLLM and
+SGLang do.
+
+One request, one `GrammarMatcher`: before each sampled token the matcher writes which tokens
+may come next as a bitmask (bit t % 32 of int32 word t // 32), the sampler sets every other
+token's logit to -inf (`apply_token_bitmask`, first of its edits), and the token sampled is
+then fed back (`Grammars.advance`). So the engine must know each token's value before it
+samples the next: such requests read the history (no overlap for their steps, as penalties) and
+never draft (speculative decoding skips them; the rest of the batch still drafts). A matcher
+that completes its grammar (its stop token accepted, or nothing more can follow) ends the
+request with finish_reason "stop".
+
+`normalise` is the one validation of the spec (SamplingParams); `check_syntax` compiles nothing
+but parses it, so that the server answers a bad schema with a 400 before the request reaches the
+engine; `Grammars` (one per engine core) compiles against the model's tokenizer, cached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# The spec's kinds (vLLM's `structured_outputs` names); exactly one per request.
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
+
+
+def normalise(spec: Any) -> dict[str, Any] | None:
+    """A spec as SamplingParams keeps it: {"json": schema as JSON text} | {"json_object": True}
+    | {"regex": str} | {"choice": [str, ...]} | {"grammar": EBNF str}; None for none. Raises
+    ValueError naming `structured_outputs`."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"structured_outputs must be an object, got {spec!r}")
+    given = {k: v for k, v in spec.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(KINDS))
+    if unknown:
+        raise ValueError(f"structured_outputs takes one of {list(KINDS)}, got {unknown}")
+    if len(given) != 1:
+        raise ValueError(
+            f"structured_outputs takes exactly one of {list(KINDS)}, got {sorted(given) or 'none'}"
+        )
+    (kind, value), = given.items()
+    if kind == "json":
+        if isinstance(value, dict):
+            value = json.dumps(value)
+        elif isinstance(value, str):
+            try:
+                json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
+        else:
+            raise ValueError(f"structured_outputs json must be a JSON schema, got {value!r}")
+    elif kind == "json_object":
+        if value is not True:
+            raise ValueError(f"structured_outputs json_object must be true, got {value!r}")
+    elif kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c
+                                                          for c in value)):
+            raise ValueError(
+                f"structured_outputs choice must be a non-empty list of non-empty strings, got "
+                f"{value!r}"
+            )
+        value = list(value)
+    elif not (isinstance(value, str) and value):
+        raise ValueError(f"structured_outputs {kind} must be a non-empty string, got {value!r}")
+    return {kind: value}
+
+
+def _grammar(spec: dict[str, Any]) -> Any:
+    """The xgrammar `Grammar` of a normalised spec (no tokenizer: syntax only)."""
+    import xgrammar as xgr
+
+    (kind, value), = spec.items()
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(value)
+    if kind == "json_object":  # OpenAI's: an object (xgrammar's built-in JSON takes any value)
+        return xgr.Grammar.from_json_schema(ANY_OBJECT)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(value)
+    if kind == "choice":
+        literals = (json.dumps(c, ensure_ascii=False) for c in value)  # EBNF takes C escapes
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(literals))
+    return xgr.Grammar.from_ebnf(value)
+
+
+def check_syntax(spec: dict[str, Any]) -> None:
+    """ValueError naming structured_outputs when xgrammar cannot parse the spec."""
+    try:
+        _grammar(spec)
+    except Exception as e:  # xgrammar raises RuntimeError or its own errors on bad input
+        (kind, _), = spec.items()
+        raise ValueError(f"structured_outputs {kind} cannot be used: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    """xgrammar's message without its "[time] file.cc:line: " prefix."""
+    text = (str(e).strip() or type(e).__name__).splitlines()[0]
+    return re.sub(r"^\[[\d:.]+\] \S+:\d+: ", "", text)[:300]
+
+
+class Grammars:
+    """One engine core's grammar compiler: the tokenizer's vocabulary read once (at the first
+    structured request), compiled grammars cached by spec."""
+
+    def __init__(self, tokenizer_loader: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self._load_tokenizer = tokenizer_loader
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._compiler: Any = None
+        self._compiled: dict[str, Any] = {}
+
+    def matcher(self, spec: dict[str, Any]) -> Any:
+        """A fresh `GrammarMatcher` for the spec; ValueError naming structured_outputs when it
+        does not compile."""
+        import xgrammar as xgr
+
+        key = json.dumps(spec, sort_keys=True)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            try:
+                compiled = self._compiler_now().compile_grammar(_grammar(spec))
+            except ValueError:
+                raise
+            except Exception as e:
+                (kind, _), = spec.items()
+                raise ValueError(
+                    f"structured_outputs {kind} cannot be used: {_first_line(e)}"
+                ) from None
+            self._compiled[key] = compiled
+        return xgr.GrammarMatcher(compiled)
+
+    def _compiler_now(self) -> Any:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            tok = self._load_tokenizer()
+            if tok is None:
+                raise ValueError("structured_outputs needs the model's tokenizer; it has none")
+            info = xgr.TokenizerInfo.from_huggingface(
+                tok, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def bitmask(self, matcher: Any) -> Tensor:
+        """[W] int32 host bitmask of the tokens the matcher allows next."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask)
+        return mask[0]
+
+    @staticmethod
+    def advance(matcher: Any, token: int) -> bool:
+        """Feed the sampled token; True when the request must end here: the grammar is
+        complete, or (with a warning) the token breaks it, which the mask prevents unless
+        every allowed token was masked otherwise (min_tokens banning the stop token)."""
+        if not matcher.accept_token(token):
+            log.warning("structured output: token %d breaks the grammar; the request ends", token)
+            return True
+        return matcher.is_terminated()
+
+
+def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
+    """logits [B, V]: rows `rows` [R] (int64) keep only the tokens set in `bitmask` [R, W]
+    (int32, on the logits' device); the others become -inf, in place. Token ids past W * 32
+    (none: W covers the vocabulary) and bits past V are ignored."""
+    V = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :V].bool()
+    sub = logits.index_select(0, rows)
+    sub.masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, sub)

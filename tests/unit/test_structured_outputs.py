@@ -1,0 +1,197 @@
+"""Structured outputs (sampling/structured.py): the spec's validation, the bitmask against
+xgrammar's own, and the built-in chat model held to JSON schemas, any JSON, a regex, a choice
+and an EBNF grammar: greedy tokens equal transformers' with xgrammar's mask applied by
+xgrammar, every output replayed through a fresh matcher, seeded requests alike alone and in a
+batch, and n-gram speculation beside them lossless. The server's side:
+tests/e2e/test_server.py::test_response_format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from swaserve import Engine, SamplingParams
+from swaserve.sampling.structured import apply_token_bitmask, check_syntax, normalise
+
+TIE = 1e-3
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["name", "age", "tags"],
+}  # fmt: skip
+ASK = "Give me a JSON object describing a person named Ann who is 31."
+
+
+def test_spec_is_validated():
+    assert normalise({"json": PERSON}) == {"json": json.dumps(PERSON)}
+    assert normalise({"json": '{"type": "object"}', "regex": None}) == {
+        "json": '{"type": "object"}'}  # fmt: skip
+    assert normalise({"choice": ["x", "y"]}) == {"choice": ["x", "y"]}
+    assert normalise(None) is None
+    for bad, what in [({}, "exactly one"), ({"regex": "a", "choice": ["b"]}, "exactly one"),
+                      ({"xml": "a"}, "one of"), ({"json": "{not json"}, "not valid JSON"),
+                      ({"choice": []}, "non-empty list"), ({"regex": ""}, "non-empty string"),
+                      ({"json_object": "yes"}, "must be true"), ("a+", "an object")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"structured_outputs.*{what}"):
+            normalise(bad)
+    for spec in ({"json": {"type": "nonsense"}}, {"regex": "("}, {"grammar": "root ::= "}):
+        with pytest.raises(ValueError, match="structured_outputs .* cannot be used: "):
+            check_syntax(normalise(spec))
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regex": 3})
+
+
+def test_bitmask_equals_xgrammars():
+    gen = torch.Generator().manual_seed(0)
+    V = 1000  # not a multiple of 32
+    logits = torch.randn(5, V, generator=gen)
+    rows = torch.tensor([0, 2, 3])
+    words = xgr.get_bitmask_shape(1, V)[1]
+    bitmask = torch.randint(-(2**31), 2**31, (5, words), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)  # xgrammar: row i's mask for logits row i
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, indices=rows.tolist())
+    got = logits.clone()
+    apply_token_bitmask(got, rows, bitmask[rows])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.isinf(got[0]).sum() > 400 and not torch.isinf(got[1]).any()
+
+
+def _ids(engine: Engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(
+        engine.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False
+    )
+
+
+def _replays(engine: Engine, spec: dict, tokens: list[int]) -> bool:
+    """Every token accepted by a fresh matcher of the spec; True when it then is complete."""
+    matcher = engine.core.grammars.matcher(normalise(spec))
+    for t in tokens:
+        assert matcher.accept_token(t), f"token {t} breaks {spec}"
+    return matcher.is_terminated()
+
+
+SPECS = [
+    {"json": PERSON},
+    {"json_object": True},
+    {"regex": r"(\d{3})-(\d{4})"},
+    {"choice": ["red", "green", "blue"]},
+    {"grammar": 'root ::= "Answer: " ("yes" | "no") "."'},
+]
+
+
+def test_outputs_keep_to_the_grammar(smollm_engine):
+    engine = smollm_engine
+    prompts = [_ids(engine, ASK), _ids(engine, "Pick a colour."), _ids(engine, "Say hi.")]
+    params = []
+    for spec in SPECS:
+        params.append(SamplingParams(max_tokens=48, temperature=0, structured_outputs=spec))
+        params.append(SamplingParams(max_tokens=48, temperature=0.9, seed=5,
+                                     structured_outputs=spec))  # fmt: skip
+    params.append(SamplingParams(max_tokens=8, temperature=0))  # unconstrained beside them
+    ids = [prompts[i % 3] for i in range(len(params))]
+    outs = engine.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+    for p, o in zip(params, outs):
+        c = o.outputs[0]
+        if p.structured_outputs is None:
+            continue
+        done = _replays(engine, p.structured_outputs, c.token_ids)
+        assert done == (c.finish_reason == "stop"), (p.structured_outputs, c.text)
+        kind, value = next(iter(p.structured_outputs.items()))
+        if kind == "json" and done:
+            person = json.loads(c.text)
+            assert isinstance(person["name"], str) and isinstance(person["age"], int)
+            assert set(person["tags"]) <= {"a", "b"}
+        elif kind == "json_object" and done:
+            assert isinstance(json.loads(c.text), dict)
+        elif kind == "choice":
+            assert done and c.text in value
+        elif kind == "grammar":
+            assert done and c.text in ("Answer: yes.", "Answer: no.")
+    first_json = outs[0].outputs[0]
+    assert first_json.finish_reason == "stop" and json.loads(first_json.text)["age"] == 31
+    # a seeded structured request gives the same tokens alone as in the batch above
+    alone = engine.generate(prompt_token_ids=[ids[1]], sampling_params=params[1],
+                            use_tqdm=False)  # fmt: skip
+    assert alone[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+@torch.no_grad()
+def _hf_masked_greedy(model, engine: Engine, prompt: list[int], spec: dict, n: int):
+    """transformers' greedy tokens with xgrammar's mask applied by xgrammar; per step the
+    masked logits (for the tie rule)."""
+    from transformers import DynamicCache
+
+    matcher = engine.core.grammars.matcher(normalise(spec))
+    V = model.config.vocab_size
+    bitmask = xgr.allocate_token_bitmask(1, V)
+    cache = DynamicCache(config=model.config)
+    inp = torch.tensor([prompt])
+    tokens, steps = [], []
+    for _ in range(n):
+        logits = model(input_ids=inp, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = logits.float().contiguous()
+        matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        t = int(logits[0].argmax())
+        tokens.append(t)
+        steps.append(logits[0])
+        assert matcher.accept_token(t)
+        if matcher.is_terminated():
+            break
+        inp = torch.tensor([[t]])
+    return tokens, steps
+
+
+def test_greedy_equals_transformers_with_xgrammars_mask(smollm_engine):
+    from transformers import AutoModelForCausalLM
+
+    engine = smollm_engine
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(engine.folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    cases = [(ASK, {"json": PERSON}), ("Write a phone number.", {"regex": r"\d{3}-\d{4}"}),
+             ("Is water wet?", SPECS[4])]  # fmt: skip
+    for text, spec in cases:
+        prompt = _ids(engine, text)
+        want, logits = _hf_masked_greedy(ref, engine, prompt, spec, 40)
+        got = engine.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+            max_tokens=40, temperature=0, structured_outputs=spec), use_tqdm=False)
+        got = got[0].outputs[0].token_ids
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                top2 = logits[i].topk(2).values
+                assert float(top2[0] - top2[1]) < TIE, (spec, i, g, w)
+                break
+        else:
+            assert got == want, spec
+
+
+def test_ngram_speculation_beside_a_structured_request():
+    """Requests that draft and one held to a grammar (which never drafts) in one batch: every
+    output equals speculation off, and the others accepted drafts."""
+    repeat = "one two three four five six seven eight " * 6
+    kw = dict(model="smollm2-135m-instruct", device="cpu", kv_cache_gb=0.2)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, structured_outputs={"json": PERSON})]
+    prompts = [repeat, ASK]
+    with Engine(**kw) as off:
+        want = off.generate(prompts, params, use_tqdm=False)
+    with Engine(speculative_algorithm="ngram", disable_adaptive_speculation=True, **kw) as on:
+        got = on.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert got[0].spec_decoding["spec_accepted_drafts"] > 0
+    assert got[1].spec_decoding["spec_accepted_drafts"] == 0
+
+
+def test_a_bad_grammar_is_refused_before_anything_is_added(smollm_engine):
+    engine = smollm_engine
+    with pytest.raises(ValueError, match="structured_outputs regex cannot be used"):
+        engine.generate(["hi", "there"], [SamplingParams(max_tokens=2),
+                                          SamplingParams(structured_outputs={"regex": "("})])
+    out = engine.generate(["hi"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
