@@ -159,15 +159,19 @@ def bad(message: str, param: str | None = None) -> APIError:
 # ---- app ------------------------------------------------------------------------------------
 
 
+_KEYED = ("/v1", "/tokenize", "/detokenize")  # paths the API key guards
+
+
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/* (health and metrics stay open, as in vLLM)."""
+    """`Authorization: Bearer KEY` on /v1/* and on /tokenize and /detokenize (work for the
+    tokenizer thread); health and metrics stay open, as in vLLM."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(_KEYED):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(auth, self.expected):
                 err = APIError(
@@ -245,6 +249,14 @@ def build_app(state: ServerState) -> FastAPI:
             raise state.unknown_model(model_id)
         return state.model_card()
 
+    @app.post("/tokenize")
+    async def tokenize(body: P.TokenizeRequest) -> dict:
+        return await _off_loop(state, _tokenize, state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: P.DetokenizeRequest) -> dict:
+        return await _off_loop(state, _detokenize, state, body)
+
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, raw: Request) -> Response:
         return await _completions(state, body, raw)
@@ -311,6 +323,9 @@ def _document_errors(app: FastAPI) -> None:
                         responses.update({k: {"description": errors[k]} for k in codes})
                     elif path.startswith("/v1/models"):
                         codes = ("401", "404") if "{" in path else ("401",)
+                        responses.update({k: {"description": errors[k]} for k in codes})
+                    elif path in ("/tokenize", "/detokenize"):
+                        codes = ("400", "401", "404")
                         responses.update({k: {"description": errors[k]} for k in codes})
                     elif path.startswith("/v1/"):
                         responses.update({k: {"description": v} for k, v in errors.items()})
@@ -687,10 +702,40 @@ class _CompletionView:
         yield "data: [DONE]\n\n"
 
 
+# ---- /tokenize, /detokenize (vLLM's) ---------------------------------------------------------
+
+
+def _tokenize(state: ServerState, body: P.TokenizeRequest) -> dict:
+    if body.model is not None and not state.serves(body.model):
+        raise state.unknown_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad("give one of prompt and messages", "prompt")
+    if body.messages is not None:
+        text, add = _render_chat(state, body), bool(body.add_special_tokens)
+    else:
+        text, add = body.prompt, body.add_special_tokens is not False
+    ids = _encode(state, text, add_special_tokens=add)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len,
+                           "tokens": ids}  # fmt: skip
+    if body.return_token_strs:
+        out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+def _detokenize(state: ServerState, body: P.DetokenizeRequest) -> dict:
+    if body.model is not None and not state.serves(body.model):
+        raise state.unknown_model(body.model)
+    if state.tokenizer is None:
+        raise bad(f"model {state.model_name} has no tokenizer", "tokens")
+    if any(not 0 <= t < state.vocab_size for t in body.tokens):
+        raise bad(f"tokens must be in [0, {state.vocab_size})", "tokens")
+    return {"prompt": _decode(state, body.tokens)}
+
+
 # ---- /v1/chat/completions -------------------------------------------------------------------
 
 
-def _render_chat(state: ServerState, body: P.ChatCompletionRequest) -> str:
+def _render_chat(state: ServerState, body: P.ChatCompletionRequest | P.TokenizeRequest) -> str:
     tok = state.tokenizer
     if tok is None:
         raise bad(f"model {state.model_name} has no tokenizer, so no chat template")

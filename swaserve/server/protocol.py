@@ -76,13 +76,15 @@ def _check_unicode(x: Any) -> None:
             _check_unicode(v)
 
 
-class _SamplingRequest(_Strict):
+class _TextRequest(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         _check_unicode(data)
         return data
 
+
+class _SamplingRequest(_TextRequest):
     model: str | None = None
     n: int | None = None
     temperature: float | None = None
@@ -207,6 +209,25 @@ class ChatCompletionRequest(_SamplingRequest):
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs, None)
+
+
+class TokenizeRequest(_TextRequest):
+    """vLLM's /tokenize: a prompt (special tokens added unless add_special_tokens is false), or
+    chat messages through the chat template (none added: the template holds them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: token ids to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- errors ---------------------------------------------------------------------------------

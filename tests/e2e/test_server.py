@@ -323,6 +323,35 @@ def test_response_format(client):
     assert r.choices[0].message.content in ("yes", "no")
 
 
+def test_tokenize_and_detokenize(server, client, smollm_engine):
+    """vLLM's /tokenize and /detokenize: the offline engine's tokenizer and chat template give
+    the same ids; bad input is a 400, a missing key a 401."""
+    h = {"Content-Type": "application/json", **server.headers()}
+
+    def call(path: str, body: dict, headers: dict = h) -> httpx.Response:
+        return httpx.post(server.url + path, json=body, headers=headers, timeout=30)
+
+    text = "The capital of France is"
+    r = call("/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    want = smollm_engine.tokenizer.encode(text)
+    assert r["tokens"] == want and r["count"] == len(want) and r["max_model_len"] == 2048
+    assert len(r["token_strs"]) == len(want)
+    assert call("/detokenize", {"tokens": want}).json() == {"prompt": text}
+    messages = [{"role": "user", "content": "Hi"}]
+    r = call("/tokenize", {"messages": messages}).json()
+    chat = smollm_engine.apply_chat_template(messages)
+    assert r["tokens"] == smollm_engine.tokenizer.encode(chat, add_special_tokens=False)
+    for path, body, param in [("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/detokenize", {"tokens": [49152]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")]:  # fmt: skip
+        r = call(path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+    assert call("/tokenize", {"model": "gpt-4", "prompt": "a"}).status_code == 404
+    if server.headers():
+        assert call("/tokenize", {"prompt": "a"}, {}).status_code == 401
+
+
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
