@@ -16,6 +16,7 @@ each with its own, later word).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +31,7 @@ class _AnyRank:
     """`core.scheduler.has_unfinished()` over every rank (what the Engine asks)."""
 
     def __init__(self, core: DPExpertCore) -> None:
-        self.core = core
+        self.core = weakref.proxy(core)  # the core holds this: no cycle (engine/gc_heap.py)
 
     def has_unfinished(self) -> bool:
         c = self.core

@@ -201,6 +201,8 @@ class Engine:
         import torch
 
         if torch.cuda.is_initialized():
+            # torch's per-stream cuBLAS workspaces: every graph capture's side stream left one
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:

@@ -48,8 +48,10 @@ from swaserve.ops.rmsnorm import NormParams
 from swaserve.ops.rounding import round_to, rounded
 
 MAX_ROWS = 2  # rows the engine's path takes; at 4 cuBLAS won by 10-45% on Llama-8B's shapes
-# Rows the tensor-core variant takes (`GemvConfig.use_dot`): swept by benchmarks/gemv_bench.py
-# at 4 to 16 rows, not yet measured, so only SWASERVE_GEMV_ROWS above MAX_ROWS picks it.
+# Rows the tensor-core variant takes (`GemvConfig.use_dot`), only when SWASERVE_GEMV_ROWS asks
+# for more than MAX_ROWS: in the engine it lost (H100, 2026-12-05, benchmarks/RESULTS.md): the
+# verify graph of smollm2's 5- and 8-row speculative steps took 1.97-2.52 ms against cuBLAS's
+# 1.14-1.41.
 MAX_DOT_ROWS = 16
 
 
@@ -86,8 +88,8 @@ def default_config(m: int, n: int, k: int, norm: bool = False, act: bool = False
 
 # The engine's tile past MAX_ROWS (`row_config`), when SWASERVE_GEMV_ROWS asks for more rows: a
 # verify step of speculative decoding ([last, d_1..d_K] per request) or a small decode batch.
-# NOT MEASURED on a GPU yet (a tile of gemv_bench.py's sweep, 16 columns a program so that
-# Llama-8B's q/k/v has 384 programs); correct on the CPU interpreter and compiled for sm_90a.
+# A tile of gemv_bench.py's sweep (16 columns a program so that Llama-8B's q/k/v has 384
+# programs); correct on the CPU interpreter and on the GPU, slower than cuBLAS there (above).
 DOT_TILE = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=4, use_dot=True)
 
 

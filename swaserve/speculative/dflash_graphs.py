@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +49,9 @@ class DrafterGraphs:
                  max_model_len: int) -> None:
         from swaserve.speculative.dflash_proposer import CONTEXT_ROWS
 
-        self.proposer, self.kv = proposer, kv
+        # the proposer owns these graphs: a strong reference back would make a cycle, which
+        # the frozen start-up heap keeps (engine/gc_heap.py) with the KV pool in it
+        self.proposer, self.kv = weakref.proxy(proposer), kv
         dev = proposer.device
         self.r_buckets = batch_buckets(max_requests)
         self.shapes = [(r, c) for r in self.r_buckets for c in width_buckets(max_model_len)

@@ -20,7 +20,13 @@ pytestmark = [
 ]
 
 POOL_GB = 1.0
-SLACK = 128 * 2**20  # cuBLAS workspaces of the streams used stay cached by torch, per stream
+SLACK = 16 * 2**20
+
+
+def _torch_caches() -> None:
+    """torch keeps a cuBLAS workspace (32 MiB on Hopper) per stream that ran a GEMM, past any
+    engine: each graph capture's side stream adds one. Not the engine's: cleared here."""
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +66,7 @@ def _check_dropped(start) -> None:
     gc.disable()  # reference counting only: a cycle would survive in the frozen generation
     try:
         del eng
+        _torch_caches()
         left = _allocated() - base
     finally:
         gc.enable()
@@ -92,5 +99,5 @@ def test_shutdown_returns_device_memory_a_cycle_would_keep(folder):
         _use(eng)
         eng.core.kv.planted_cycle = eng.core  # `del` alone would keep all of it now
         reserved = torch.cuda.memory_reserved()
-    assert _allocated() - base < SLACK
+    assert _allocated() - base < SLACK  # shutdown clears torch's cuBLAS workspaces too
     assert torch.cuda.memory_reserved() < reserved - 0.9 * POOL_GB * 2**30  # back to the device
