@@ -149,14 +149,20 @@ def build_router_app(router: Router) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(router.registry), media_type=CONTENT_TYPE)
 
-    async def from_decode(path: str) -> Response:
-        """A GET answered by a decode instance (another one if the first cannot answer)."""
+    async def from_decode(path: str, body: bytes | None = None) -> Response:
+        """A GET (a POST of `body`) answered by a decode instance (another one if the first
+        cannot answer)."""
         tried: set[Instance] = set()
         while True:
             inst = await router.pick(router.decode, [], tried)
             try:
-                r = await router.client.get(inst.url + path, headers=router.headers(),
-                                            timeout=INFO_TIMEOUT_S)
+                if body is None:
+                    r = await router.client.get(inst.url + path, headers=router.headers(),
+                                                timeout=INFO_TIMEOUT_S)
+                else:
+                    r = await router.client.post(
+                        inst.url + path, content=body, timeout=INFO_TIMEOUT_S,
+                        headers={**router.headers(), "Content-Type": "application/json"})
             except httpx.HTTPError as e:
                 router.down(inst, e)
                 tried.add(inst)
@@ -171,6 +177,14 @@ def build_router_app(router: Router) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         return await from_decode(f"/v1/models/{model_id}")
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return await from_decode("/tokenize", await raw.body())
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        return await from_decode("/detokenize", await raw.body())
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

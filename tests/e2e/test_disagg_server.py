@@ -226,6 +226,12 @@ def test_models_and_bench_serve_through_the_router(pd, tmp_path, capsys):
 
     router = pd[0]
     assert client(router).models.list().data[0].id == GEMMA
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    ids = httpx.post(router.url + "/tokenize", json={"prompt": "Once upon a time"}, headers=h,
+                     timeout=30).json()["tokens"]  # fmt: skip
+    back = httpx.post(router.url + "/detokenize", json={"tokens": ids}, headers=h, timeout=30)
+    assert back.json()["prompt"].endswith("Once upon a time")
+    assert httpx.post(router.url + "/tokenize", json={"prompt": "a"}, timeout=30).status_code == 401
     out = tmp_path / "bench.json"
     rc = cli_main(["bench", "serve", "--base-url", router.url, "--api-key", API_KEY,
                    "--num-prompts", "4", "--max-concurrency", "2", "--input-len", "32",
