@@ -287,6 +287,15 @@ def test_playground_streams_and_shows_the_kv_pool(server, browser, tmp_path):
     _wait(d, lambda d: _kv(d, "cache_hit_tokens") >= cached, timeout=10,
           what="the panel's cache hit tokens did not grow")
 
+    # JSON output: the answer is held to a JSON object (response_format json_object).
+    d.find_element("id", "json-mode").click()
+    turn3 = _send(d, "Describe the lighthouse as JSON.")
+    assert turn3["state"] == "done"
+    answer = d.find_elements("css selector", ".msg.assistant")[-1]
+    text = answer.find_element("css selector", ".msg-body").text
+    assert text.startswith("{"), text
+    d.find_element("id", "json-mode").click()
+
     # Hovering a token shows its logprob and the top 5 alternatives.
     d.execute_script("document.querySelector('.side').scrollTop = 0")  # the whole KV panel
     first = d.find_elements("css selector", ".msg.assistant")[0]  # turn 2's chips stay seen

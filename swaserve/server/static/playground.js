@@ -450,6 +450,8 @@
     };
     const seed = numberField("seed", true);
     if (seed !== null) body.seed = seed;
+    // the answer held to a JSON object by a grammar (docs/serving.md, Structured outputs)
+    if ($("json-mode").checked) body.response_format = { type: "json_object" };
     for (const k of Object.keys(body)) if (body[k] === null) delete body[k];
     if (state.model) body.model = state.model;
     return body;
