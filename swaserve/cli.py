@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 from swaserve.bench.serve import add_args as add_bench_serve_args
@@ -45,12 +46,41 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f: getattr(args, f) for f in EngineConfig.field_names()}
 
 
+def _structured_outputs(args: argparse.Namespace) -> dict | None:
+    """`generate`'s grammar flags as SamplingParams.structured_outputs, parsed (ValueError
+    naming the flag: a schema that is not JSON, a regex that does not parse, ...)."""
+    from swaserve.sampling.structured import check_syntax, normalise
+
+    if args.json_schema is not None:
+        flag, text = "--json-schema", args.json_schema
+        if text.startswith("@"):
+            try:
+                text = Path(text[1:]).read_text()
+            except OSError as e:
+                raise ValueError(f"--json-schema: cannot read {text[1:]}: {e.strerror}") from None
+        spec: dict | None = {"json": text}
+    elif args.json_object:
+        flag, spec = "--json-object", {"json_object": True}
+    elif args.regex is not None:
+        flag, spec = "--regex", {"regex": args.regex}
+    elif args.choice:
+        flag, spec = "--choice", {"choice": args.choice}
+    else:
+        return None
+    try:
+        spec = normalise(spec)
+        check_syntax(spec)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    return spec
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """`generate`'s sampling flags; a ValueError names the flag (before any model loads)."""
     flags = {"max_tokens": args.max_tokens, "temperature": args.temperature,
              "top_p": args.top_p, "top_k": args.top_k, "seed": args.sampling_seed}
     try:
-        return SamplingParams(**flags)
+        return SamplingParams(**flags, structured_outputs=_structured_outputs(args))
     except ValueError as e:
         name = next((f for f in flags if str(e).startswith(f + " ")), None)
         flag = "--sampling-seed" if name == "seed" else "--" + (name or "").replace("_", "-")
@@ -246,6 +276,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="seed of this run's sampling (default: none, --seed's stream)")
     gg.add_argument("--chat", action="store_true",
                     help="wrap each prompt in the chat template (default: off)")
+    so = gg.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="SCHEMA",
+                    help="hold the output to this JSON schema: its JSON text, or @FILE")
+    so.add_argument("--json-object", action="store_true",
+                    help="hold the output to a JSON object (default: off)")
+    so.add_argument("--regex", metavar="RE", help="hold the output to this regular expression")
+    so.add_argument("--choice", action="append", metavar="TEXT",
+                    help="hold the output to one of these strings (repeatable)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -206,6 +206,21 @@ def test_generate_cli(capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_generate_cli_structured_outputs(capsys, tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}}}))
+    base = ["generate", "--model", "smollm2-135m-instruct", "--device", "cpu", "--chat",
+            "--kv-cache-gb", "0.05", "--max-tokens", "40"]
+    assert cli_main([*base, "--prompt", "Describe Ann, 31, as JSON.",
+                     "--json-schema", f"@{schema}"]) == 0
+    person = json.loads(capsys.readouterr().out)
+    assert isinstance(person["name"], str) and isinstance(person["age"], int)
+    assert cli_main([*base, "--prompt", "Red or blue?", "--choice", "red", "--choice",
+                     "blue"]) == 0
+    assert capsys.readouterr().out.strip() in ("red", "blue")
+
+
 def test_torch_attend_sinks_formula():
     """Sinks: one extra logit per head in the softmax denominator, with no value."""
     from swaserve.attention.torch_backend import attend

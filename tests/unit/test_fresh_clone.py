@@ -240,6 +240,10 @@ def no_engine(monkeypatch):
     (["--page-size", "0"], "--page-size"),
     (["--kv-cache-gb", "-1"], "--kv-cache-gb"),
     (["--device", "tpu:x"], "--device"),
+    (["--json-schema", "{not json"], "--json-schema"),
+    (["--json-schema", '{"type": "nonsense"}'], "--json-schema"),
+    (["--json-schema", "@/no/such/schema.json"], "--json-schema"),
+    (["--regex", "("], "--regex"),
 ])
 def test_generate_flags_checked_before_loading(no_engine, capsys, flags, flag):
     assert cli_main(["generate", "--prompt", "Hi", *flags]) == 2
