@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 # The spec's kinds (vLLM's `structured_outputs` names); exactly one per request.
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
+# Whitespace between JSON tokens, at most this many characters in a row: pretty-printed JSON
+# fits, and a model that would loop on newlines (Gemma 3 270M after "{" does) must go on.
+MAX_JSON_WHITESPACE = 20
 
 
 def normalise(spec: Any) -> dict[str, Any] | None:
@@ -82,9 +85,9 @@ def _grammar(spec: dict[str, Any]) -> Any:
 
     (kind, value), = spec.items()
     if kind == "json":
-        return xgr.Grammar.from_json_schema(value)
+        return xgr.Grammar.from_json_schema(value, max_whitespace_cnt=MAX_JSON_WHITESPACE)
     if kind == "json_object":  # OpenAI's: an object (xgrammar's built-in JSON takes any value)
-        return xgr.Grammar.from_json_schema(ANY_OBJECT)
+        return xgr.Grammar.from_json_schema(ANY_OBJECT, max_whitespace_cnt=MAX_JSON_WHITESPACE)
     if kind == "regex":
         return xgr.Grammar.from_regex(value)
     if kind == "choice":
