@@ -602,7 +602,7 @@ class EngineCore:
         samplers, rows = self._sampling_rows(batch)
         for req in samplers:  # structured outputs: every earlier token was read back (history)
             if req.grammar is not None:
-                req.token_bitmask = self.grammars.bitmask(req.grammar)
+                req.token_bitmask = self.grammars.bitmasks(req.grammar, req.draft_token_ids)
         fill = self._device_tokens(batch)
         if self.spec is not None and self.spec.device_drafts is not None:
             # a step that drafts read the one in flight back first: never both
@@ -748,8 +748,9 @@ class EngineCore:
 
     @staticmethod
     def _row(req: Request) -> SamplingRow:
+        mask = None if req.token_bitmask is None else req.token_bitmask[0]
         return SamplingRow(req.params, req.generator, req.prompt_token_ids, req.output_token_ids,
-                           req.token_bitmask)
+                           mask)
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         offset = 0

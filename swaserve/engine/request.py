@@ -50,7 +50,8 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     spec: SpecStats | None = None
     # Structured outputs (sampling/structured.py): the request's xgrammar matcher, advanced by
-    # every token output, and the bitmask of its next token, filled before each sampling step.
+    # every token output, and the bitmasks of its sampled rows ([1 + drafts, W]: the next
+    # token, then after each draft), filled before each sampling step.
     grammar: Any = None
     token_bitmask: torch.Tensor | None = None
 

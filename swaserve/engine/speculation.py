@@ -44,6 +44,7 @@ from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.sampler import Sampler, SamplingRow
+from swaserve.sampling.structured import Grammars
 from swaserve.speculative.dflash_config import DFlashConfig, check_num_draft_tokens
 from swaserve.speculative.dflash_proposer import DFlashProposer
 from swaserve.speculative.gate import DraftGate
@@ -152,8 +153,6 @@ class Speculation:
                 if req.request_id in self._arrays:  # keep the n-gram lookup's token array
                     arrays[req.request_id] = self._arrays[req.request_id]
                 continue
-            if req.grammar is not None:
-                continue  # structured outputs: drafts would need the grammar's mask per row
             k = min(
                 self.k,
                 req.max_tokens - len(req.output_token_ids) - 1,
@@ -165,7 +164,8 @@ class Speculation:
                 batch.append((req, k))
                 continue
             tokens = arrays[req.request_id] = self._tokens_of(req)
-            req.draft_token_ids = self.drafter.propose(tokens[0][: tokens[1]], k)
+            drafts = self.drafter.propose(tokens[0][: tokens[1]], k)
+            req.draft_token_ids = _grammar_drafts(req, drafts)
         self._arrays = arrays  # requests that left drop out here
         if not batch:
             return
@@ -177,7 +177,7 @@ class Speculation:
             self.device_drafts = DeviceDrafts(ids, {id(r): i for i, r in enumerate(reqs)})
             return
         for req, drafts in zip(reqs, self.dflash.propose(reqs, ks, self.memory, self.kv)):
-            req.draft_token_ids = drafts
+            req.draft_token_ids = _grammar_drafts(req, drafts)
 
     def draft_fill(self, requests: list[Request], num_new_tokens: list[int]) -> DeviceTokens | None:
         """The forward's input ids that are device drafts: a request's chunk [last, d_1..d_k]
@@ -244,8 +244,9 @@ class Speculation:
             for req, k in zip(requests, ks):
                 for i in range(k + 1):
                     outs = req.output_token_ids + req.draft_token_ids[:i]
+                    mask = None if req.token_bitmask is None else req.token_bitmask[i]
                     rows.append(SamplingRow(req.params, req.generator, req.prompt_token_ids,
-                                            outs, req.token_bitmask))  # grammar: k == 0
+                                            outs, mask))
             target = self.sampler.target_logits(logits, rows)
         R, K, V = len(requests), max(ks), logits.shape[1]
         device = logits.device
@@ -298,6 +299,13 @@ class Speculation:
             return dd.ids.index_select(0, _to(idx, dd.ids.device))[:, :K]
         rows = [req.draft_token_ids + [0] * (K - k) for k, req in zip(ks, requests)]
         return _to(torch.tensor(rows, dtype=torch.long).view(len(requests), K), device)
+
+
+def _grammar_drafts(req: Request, drafts: list[int]) -> list[int]:
+    """A structured request's drafts up to the first its grammar refuses (structured.py)."""
+    if req.grammar is None:
+        return drafts
+    return Grammars.valid_prefix(req.grammar, drafts)
 
 
 def _plain_greedy(req: Request) -> bool:

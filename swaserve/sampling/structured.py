@@ -6,8 +6,11 @@ One request, one `GrammarMatcher`: before each sampled token the matcher writes 
 may come next as a bitmask (bit t % 32 of int32 word t // 32), the sampler sets every other
 token's logit to -inf (`apply_token_bitmask`, first of its edits), and the token sampled is
 then fed back (`Grammars.advance`). So the engine must know each token's value before it
-samples the next: such requests read the history (no overlap for their steps, as penalties) and
-never draft (speculative decoding skips them; the rest of the batch still drafts). A matcher
+samples the next: such requests read the history (no overlap for their steps, as penalties).
+Under speculative decoding their drafts are cut at the first one the grammar refuses
+(`valid_prefix`), and each verify row gets the mask of the state after the drafts before it
+(`bitmasks`), so a verify step samples every row from the distribution a plain step would.
+A matcher
 that completes its grammar (its stop token accepted, or nothing more can follow) ends the
 request with finish_reason "stop".
 
@@ -155,13 +158,35 @@ class Grammars:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
-    def bitmask(self, matcher: Any) -> Tensor:
-        """[W] int32 host bitmask of the tokens the matcher allows next."""
+    def bitmasks(self, matcher: Any, drafts: list[int]) -> Tensor:
+        """[len(drafts) + 1, W] int32 host bitmasks of the tokens the matcher allows next, then
+        after each draft in turn (a verify step's rows); the matcher ends where it began.
+        The drafts must keep to the grammar (`valid_prefix`)."""
         import xgrammar as xgr
 
-        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(mask)
-        return mask[0]
+        masks = xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        for i, token in enumerate(drafts):
+            matcher.fill_next_token_bitmask(masks, i)
+            if not matcher.accept_token(token):
+                raise AssertionError(f"draft {token} breaks the grammar: valid_prefix first")
+        matcher.fill_next_token_bitmask(masks, len(drafts))
+        if drafts:
+            matcher.rollback(len(drafts))
+        return masks
+
+    @staticmethod
+    def valid_prefix(matcher: Any, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar takes from the matcher's state (which
+        it leaves as it was): speculative decoding verifies only drafts that could be
+        sampled."""
+        n = 0
+        for token in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return drafts[:n]
 
     @staticmethod
     def advance(matcher: Any, token: int) -> bool:

@@ -171,21 +171,33 @@ def test_greedy_equals_transformers_with_xgrammars_mask(smollm_engine):
             assert got == want, spec
 
 
-def test_ngram_speculation_beside_a_structured_request():
-    """Requests that draft and one held to a grammar (which never drafts) in one batch: every
-    output equals speculation off, and the others accepted drafts."""
+def test_ngram_speculation_with_structured_requests():
+    """Structured requests draft too (n-gram), their drafts cut where the grammar refuses and
+    each verify row masked for the drafts before it: greedy outputs equal speculation off
+    beside an unstructured request; a seeded one keeps to the grammar and gives the same
+    tokens alone as in the batch (rejection sampling draws differently from a plain step:
+    equal in distribution, not token for token); all accepted drafts."""
+    tags = {"type": "object", "required": ["tags"], "properties": {
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 12}}}
+    ask = "Give me a JSON object with a list of tags, alternating a and b."
     repeat = "one two three four five six seven eight " * 6
     kw = dict(model="smollm2-135m-instruct", device="cpu", kv_cache_gb=0.2)
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0, structured_outputs={"json": PERSON})]
-    prompts = [repeat, ASK]
+              SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": tags}),
+              SamplingParams(max_tokens=60, temperature=0.7, seed=4,
+                             structured_outputs={"json": tags})]  # fmt: skip
     with Engine(**kw) as off:
+        prompts = [repeat, *[off.apply_chat_template([{"role": "user", "content": ask}])] * 2]
         want = off.generate(prompts, params, use_tqdm=False)
     with Engine(speculative_algorithm="ngram", disable_adaptive_speculation=True, **kw) as on:
         got = on.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert got[0].spec_decoding["spec_accepted_drafts"] > 0
-    assert got[1].spec_decoding["spec_accepted_drafts"] == 0
+        alone = on.generate(prompts[2:], params[2:], use_tqdm=False)
+        assert _replays(on, params[2].structured_outputs, got[2].outputs[0].token_ids)
+    assert [o.outputs[0].token_ids for o in got[:2]] == [o.outputs[0].token_ids for o in want[:2]]
+    assert alone[0].outputs[0].token_ids == got[2].outputs[0].token_ids
+    assert all(o.spec_decoding["spec_accepted_drafts"] > 0 for o in got), [
+        o.spec_decoding for o in got]
+    assert json.loads(got[1].outputs[0].text)["tags"]
 
 
 def test_a_bad_grammar_is_refused_before_anything_is_added(smollm_engine):
