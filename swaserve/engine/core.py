@@ -82,7 +82,7 @@ def _needs_history(p: SamplingParams) -> bool:
 def _plain_greedy(p: SamplingParams) -> bool:
     """The request's token is always the raw logits' argmax, with no logprobs: what the
     sampler would do for its row (no row need be built)."""
-    return (p.greedy and p.logprobs is None and p.min_tokens == 0 and p.logit_bias is None
+    return (p.greedy and p.logprobs is None and p.min_tokens == 0 and not p.edits_logits
             and not _needs_history(p))
 
 

@@ -314,7 +314,7 @@ def _plain_greedy(req: Request) -> bool:
     Sampler.target_logits would return the logits untouched for such rows; this decides so
     without building them."""
     p = req.params
-    return (p.greedy and p.logit_bias is None and req.grammar is None
+    return (p.greedy and not p.edits_logits and req.grammar is None
             and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
             and len(req.output_token_ids) >= p.min_tokens)

@@ -54,6 +54,8 @@ class SamplingParams:
     # -100 in effect bans a token, +100 forces it). JSON's string keys ("50256") are accepted
     # and normalised to int; logprobs stay those of the raw logits.
     logit_bias: dict[int, float] | None = None
+    # vLLM's: sample only among these token ids (the others' logits at -inf)
+    allowed_token_ids: list[int] | None = None
     # The output held to a grammar (sampling/structured.py): exactly one of {"json": schema},
     # {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": EBNF} (vLLM's
     # `structured_outputs`); the server maps OpenAI's response_format onto it.
@@ -91,6 +93,14 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not (isinstance(ids, (list, tuple)) and ids
+                    and all(_is_int(t) and 0 <= t < 2**63 for t in ids)):
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}"
+                )
+            self.allowed_token_ids = sorted(set(ids))
         self.structured_outputs = normalise_structured(self.structured_outputs)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "detokenize"):
@@ -169,6 +179,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Argmax decoding: temperature (effectively) 0, or top_k == 1."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def edits_logits(self) -> bool:
+        """A logit bias or an allowed set: its argmax is not the raw logits' (as penalties)."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -5,6 +5,7 @@ Processing order (vLLM's):
     raw logits ──► logprobs (raw log_softmax, see logprobs.py)
         │
         ├─ grammar              (structured outputs: tokens it does not allow at -inf)
+        ├─ allowed token ids    (vLLM's allowed_token_ids: the others at -inf)
         ├─ logit bias           (OpenAI's logit_bias: a value added to chosen tokens' logits)
         ├─ repetition penalty   (prompt + output tokens; HF: divide positive, multiply negative)
         ├─ frequency/presence   (output tokens; OpenAI: logit -= f * count + p * [count > 0])
@@ -58,7 +59,7 @@ def _plain_greedy_row(row: SamplingRow) -> bool:
     return (
         p.greedy
         and row.token_bitmask is None
-        and p.logit_bias is None
+        and not p.edits_logits
         and p.repetition_penalty == 1.0
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
@@ -111,6 +112,8 @@ class SamplingTensors:
     min_p: Tensor | None  # [B] float32 in [0, 1]; 0 = off
     logit_bias_at: Tensor | None  # flat indices into logits.view(-1) of biased tokens
     logit_bias: Tensor | None  # float32 values added there
+    allowed_rows: Tensor | None  # [A] int64: rows with allowed_token_ids
+    allowed_at: Tensor | None  # flat indices into their [A, V] block of the allowed tokens
     grammar_rows: Tensor | None  # [R] int64: the rows held to a grammar
     grammar_bitmask: Tensor | None  # [R, W] int32: their allowed tokens (structured.py)
     repetition_penalty: Tensor | None  # [B] float32; 1 = off
@@ -132,6 +135,7 @@ class SamplingTensors:
             self.all_greedy
             and self.grammar_rows is None
             and self.logit_bias is None
+            and self.allowed_rows is None
             and self.repetition_penalty is None
             and self.frequency_penalty is None
             and self.min_tokens_fill is None
@@ -154,6 +158,8 @@ class SamplingTensors:
         min_tokens_fill: list[int] = []
         bias_at: list[int] = []
         grammar_rows: list[int] = []
+        allowed_rows: list[int] = []
+        allowed_at: list[int] = []
         bias: list[float] = []
         max_num_logprobs: int | None = None
         for i, row in enumerate(rows):
@@ -173,6 +179,10 @@ class SamplingTensors:
                     any_unseeded_random = True
             if row.token_bitmask is not None:
                 grammar_rows.append(i)
+            if p.allowed_token_ids is not None:
+                base = len(allowed_rows) * V
+                allowed_rows.append(i)
+                allowed_at.extend(base + t for t in p.allowed_token_ids if t < V)
             if p.logit_bias is not None:
                 for t, b in p.logit_bias.items():
                     if t < V:  # ids past the vocabulary: refused where requests come in
@@ -225,6 +235,16 @@ class SamplingTensors:
                 _to_device(torch.tensor(bias_at, dtype=torch.long), device) if bias else None
             ),
             logit_bias=f32(bias) if bias else None,
+            allowed_rows=(
+                _to_device(torch.tensor(allowed_rows, dtype=torch.long), device)
+                if allowed_rows
+                else None
+            ),
+            allowed_at=(
+                _to_device(torch.tensor(allowed_at, dtype=torch.long), device)
+                if allowed_rows
+                else None
+            ),
             grammar_rows=(
                 _to_device(torch.tensor(grammar_rows, dtype=torch.long), device)
                 if grammar_rows
@@ -295,11 +315,18 @@ def _token_counts(
 
 
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> None:
-    """The grammar's mask, logit bias, repetition, frequency and presence penalties and
-    min_tokens masking, in place (the mask and the bias first, as vLLM applies its grammar
-    bitmask and logits processors before its penalties)."""
+    """The grammar's mask, the allowed token ids, logit bias, repetition, frequency and
+    presence penalties and min_tokens masking, in place (masks and bias first, as vLLM applies
+    its grammar bitmask and logits processors before its penalties)."""
     if t.grammar_rows is not None:
         apply_token_bitmask(logits, t.grammar_rows, t.grammar_bitmask)
+    if t.allowed_rows is not None:
+        banned = torch.ones(t.allowed_rows.shape[0] * logits.shape[1], dtype=torch.bool,
+                            device=logits.device)
+        banned.index_fill_(0, t.allowed_at, False)
+        sub = logits.index_select(0, t.allowed_rows)
+        sub.masked_fill_(banned.view_as(sub), float("-inf"))
+        logits.index_copy_(0, t.allowed_rows, sub)
     if t.logit_bias is not None:
         logits.view(-1).index_add_(0, t.logit_bias_at, t.logit_bias)
     if t.repetition_penalty is not None:

@@ -5,7 +5,7 @@ Requests are validated strictly: wrong types are errors (no "5" -> 5, no true ->
 field not listed here is a 400 naming it (`tools`, `suffix`, ... are never silently ignored).
 `response_format` (and vLLM's `structured_outputs`) become a grammar (sampling/structured.py).
 Accepted beyond the OpenAI fields, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
+`ignore_eos`, `min_tokens`, `stop_token_ids`, `allowed_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`, `structured_outputs`, `return_token_ids`, `prompt_logprobs`
 (completions) and `add_generation_prompt` (chat). A JSON null means "the default" everywhere.
 
@@ -95,6 +95,7 @@ class _SamplingRequest(_TextRequest):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> value in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json" | "regex" | ...: ...}
     stream: bool | None = None
@@ -137,6 +138,7 @@ class _SamplingRequest(_TextRequest):
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "logit_bias": self.logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
             "structured_outputs": self._structured_outputs(),
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,

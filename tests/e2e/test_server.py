@@ -282,6 +282,11 @@ def test_logit_bias(client):
         temperature=0, logit_bias={"28": 100}, extra_body={"return_token_ids": True},
     )  # fmt: skip
     assert extra(chat.choices[0], "token_ids") == [28] * 3
+    allowed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0, seed=2,
+        extra_body={"return_token_ids": True, "allowed_token_ids": [28, 29, 30]},
+    )  # fmt: skip
+    assert set(extra(allowed.choices[0], "token_ids")) <= {28, 29, 30}
     sampled = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=1,
         logit_bias={"28": 100}, extra_body={"return_token_ids": True},
@@ -604,6 +609,9 @@ ERROR_CASES = [
     ("/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, None, 400, "logit_bias"),
     ("/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, None, 400, "logit_bias"),
     ("/completions", {"prompt": "hi", "logit_bias": {"5": "1"}}, None, 400, "logit_bias"),
+    ("/completions", {"prompt": "hi", "allowed_token_ids": [49152]}, None, 400,
+     "allowed_token_ids"),
+    ("/completions", {"prompt": "hi", "allowed_token_ids": []}, None, 400, "allowed_token_ids"),
     (
         "/chat/completions",
         {"messages": [{"role": "user", "content": "hi"}], "tools": []},

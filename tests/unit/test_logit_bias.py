@@ -1,7 +1,8 @@
 """OpenAI's `logit_bias` (SamplingParams.logit_bias): validated, carried over msgpack, added to
 the logits before penalties and sampling, and equal to transformers' `sequence_bias` on the
 same weights (greedy, with prompts past Gemma 3's window, biased and unbiased rows in one
-batch, n-gram speculation on). The server's side: tests/e2e/test_server.py::test_logit_bias."""
+batch, n-gram speculation on). vLLM's `allowed_token_ids`, a mask of the same kind, too.
+The server's side: tests/e2e/test_server.py::test_logit_bias."""
 
 from __future__ import annotations
 
@@ -103,3 +104,32 @@ def test_engine_refuses_ids_past_the_vocabulary(gemma):
         with pytest.raises(ValueError, match="logit_bias must name token ids below"):
             eng.generate(prompt_token_ids=[[5, 6]],
                          sampling_params=SamplingParams(max_tokens=2, logit_bias={256: 1}))
+
+
+def test_allowed_token_ids(gemma):
+    """Only the allowed ids are sampled (greedy: the best of them by the raw logits, which
+    transformers gives with every other id biased by -inf), beside an unrestricted row."""
+    folder, model = gemma
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (7, 33)]
+    allowed = [40, 41, 42, 200]
+    ban = {t: -1e9 for t in range(256) if t not in allowed}
+    want = _hf_greedy(model, prompts[0], 6, ban)
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
+    with Engine(model=folder, device="cpu", dtype="float32", kv_cache_gb=0.02) as eng:
+        params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                 allowed_token_ids=allowed),
+                  SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                  SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True,
+                                 allowed_token_ids=[7, 9])]  # fmt: skip
+        got = eng.generate(prompt_token_ids=prompts + prompts[:1], sampling_params=params,
+                           use_tqdm=False)  # fmt: skip
+        plain = eng.generate(prompt_token_ids=prompts[1:], sampling_params=params[1],
+                             use_tqdm=False)  # fmt: skip
+        with pytest.raises(ValueError, match="allowed_token_ids must name token ids below"):
+            eng.generate(prompt_token_ids=[[5]], sampling_params=SamplingParams(
+                allowed_token_ids=[256]))
+    assert got[0].outputs[0].token_ids == want
+    assert got[1].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert set(got[2].outputs[0].token_ids) <= {7, 9}
