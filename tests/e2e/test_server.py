@@ -744,6 +744,7 @@ _COMMON = {
     "ignore_eos": st.booleans(),
     "min_tokens": st.integers(0, 2),
     "stop_token_ids": st.lists(st.integers(0, 50000), max_size=3),
+    "allowed_token_ids": st.lists(st.integers(-1, 50000), max_size=3),
     "logit_bias": st.dictionaries(
         st.one_of(st.integers(-1, 50000).map(str), st.text(max_size=3)),
         st.floats(-120, 120), max_size=3,
