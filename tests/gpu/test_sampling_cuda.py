@@ -76,3 +76,24 @@ def test_structured_outputs_on_cuda(engine):
     assert done >= len(params) - 2  # random weights: a sample may run to max_tokens
     assert [o.outputs[0].token_ids for o in outs[len(params):]] == [
         o.outputs[0].token_ids for o in alone]  # fmt: skip
+
+
+def test_structured_outputs_under_speculation_on_cuda(engine):
+    """n-gram drafts for structured requests through the verify graphs: greedy outputs equal
+    speculation off (the module's engine), every output keeps to its grammar."""
+    folder = str(engine.folder)
+    specs = [{"regex": "(ab){2,12}x"}, {"grammar": 'root ::= ("na" | "ba")+ "!"'}]
+    params = [SamplingParams(max_tokens=30, temperature=0, structured_outputs=s) for s in specs]
+    params += [SamplingParams(max_tokens=30, temperature=1.0, seed=2, structured_outputs=s)
+               for s in specs]  # fmt: skip
+    prompts = ["abab", "nanana"] * 2
+    want = engine.generate(prompts[:2], params[:2], use_tqdm=False)
+    with Engine(model=folder, dtype="float32", kv_cache_gb=0.1, cuda_graph_max_bs=8,
+                speculative_algorithm="ngram", disable_adaptive_speculation=True) as on:
+        assert on.core.runner.verify_graphs is not None
+        got = on.generate(prompts, params, use_tqdm=False)
+        on.core.memory.check_integrity()
+        for p, o in zip(params, got):
+            matcher = on.core.grammars.matcher(normalise(p.structured_outputs))
+            assert all(matcher.accept_token(t) for t in o.outputs[0].token_ids), o
+    assert [o.outputs[0].token_ids for o in got[:2]] == [o.outputs[0].token_ids for o in want]
