@@ -278,12 +278,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="wrap each prompt in the chat template (default: off)")
     so = gg.add_mutually_exclusive_group()
     so.add_argument("--json-schema", metavar="SCHEMA",
-                    help="hold the output to this JSON schema: its JSON text, or @FILE")
+                    help="hold the output to this JSON schema: its JSON text, or @FILE "
+                         "(default: none)")
     so.add_argument("--json-object", action="store_true",
                     help="hold the output to a JSON object (default: off)")
-    so.add_argument("--regex", metavar="RE", help="hold the output to this regular expression")
+    so.add_argument("--regex", metavar="RE",
+                    help="hold the output to this regular expression (default: none)")
     so.add_argument("--choice", action="append", metavar="TEXT",
-                    help="hold the output to one of these strings (repeatable)")
+                    help="hold the output to one of these strings, repeatable (default: none)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
