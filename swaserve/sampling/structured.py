@@ -177,11 +177,16 @@ class Grammars:
     @staticmethod
     def valid_prefix(matcher: Any, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar takes from the matcher's state (which
-        it leaves as it was): speculative decoding verifies only drafts that could be
+        it leaves as it was), short of a draft that would complete it (its stop token): a
+        complete matcher has no next mask for the verify row after it, and the stop token is
+        then sampled at its own row. Speculative decoding verifies only drafts that could be
         sampled."""
         n = 0
         for token in drafts:
-            if matcher.is_terminated() or not matcher.accept_token(token):
+            if not matcher.accept_token(token):
+                break
+            if matcher.is_terminated():
+                matcher.rollback(1)
                 break
             n += 1
         if n:

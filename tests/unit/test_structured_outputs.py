@@ -171,6 +171,23 @@ def test_greedy_equals_transformers_with_xgrammars_mask(smollm_engine):
             assert got == want, spec
 
 
+def test_drafts_stop_where_the_grammar_would_refuse_or_complete(smollm_engine):
+    """valid_prefix cuts drafts before a token the grammar refuses and before the stop token
+    that would complete it (a complete matcher has no mask for the row after); bitmasks then
+    gives one mask per verify row and leaves the matcher where it was."""
+    grammars = smollm_engine.core.grammars
+    matcher = grammars.matcher(normalise({"regex": "ab"}))
+    a, b = (smollm_engine.tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab")
+    eos = grammars.stop_token_ids[0]
+    assert grammars.valid_prefix(matcher, [a, b, eos, a]) == [a, b]
+    assert grammars.valid_prefix(matcher, [a, a]) == [a]
+    masks = grammars.bitmasks(matcher, [a, b])
+    assert masks.shape[0] == 3
+    allowed = [{t for t in (a, b, eos) if masks[i, t // 32] >> (t % 32) & 1} for i in range(3)]
+    assert allowed == [{a}, {b}, {eos}]
+    assert matcher.accept_token(a) and not matcher.is_terminated()  # where it began
+
+
 def test_ngram_speculation_with_structured_requests():
     """Structured requests draft too (n-gram), their drafts cut where the grammar refuses and
     each verify row masked for the drafts before it: greedy outputs equal speculation off
