@@ -87,6 +87,7 @@ class Result:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)  # one entry per token after the first
+    text: list[str] = field(default_factory=list)  # the streamed text (--response-format)
 
     @property
     def tpot(self) -> float | None:
@@ -174,6 +175,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let requests stop at EOS (otherwise exactly max_tokens each)",
     )
+    p.add_argument(
+        "--response-format", choices=["text", "json_object"], default="text",
+        help="json_object: every answer held to a JSON object (structured outputs); the "
+        "summary adds the share of answers that parse",
+    )
     p.add_argument("--seed", type=int, default=0, help="for prompts and arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar on stderr")
@@ -243,7 +249,8 @@ def check_args(args: argparse.Namespace) -> tuple[dict[str, float], list[float]]
 # ---- one request ----------------------------------------------------------------------------
 
 
-def request_body(req: BenchRequest, model: str, endpoint_type: str, ignore_eos: bool) -> dict:
+def request_body(req: BenchRequest, model: str, endpoint_type: str, ignore_eos: bool,
+                 response_format: str = "text") -> dict:
     body: dict[str, Any] = {
         "model": model,
         "temperature": 0.0,
@@ -258,7 +265,13 @@ def request_body(req: BenchRequest, model: str, endpoint_type: str, ignore_eos: 
     else:
         body["prompt"] = req.prompt
         body["max_tokens"] = req.max_tokens
+    if response_format != "text":  # structured outputs: every answer held to JSON
+        body["response_format"] = {"type": response_format}
     return body
+
+
+def _chunk_text(choice: dict, chat: bool) -> str:
+    return ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
 
 
 def _chunk_tokens(choice: dict, chat: bool) -> int:
@@ -292,6 +305,8 @@ async def _one(client: Any, url: str, body: dict, timeout: float) -> Result:
                     return res
                 usage = chunk.get("usage") or usage
                 res.spec = chunk.get("spec_decoding") or res.spec
+                if "response_format" in body:
+                    res.text.extend(_chunk_text(c, chat) for c in chunk.get("choices") or [])
                 k = sum(_chunk_tokens(c, chat) for c in chunk.get("choices") or [])
                 if k == 0:
                     continue
@@ -387,9 +402,12 @@ def compute_metrics(
     duration: float,
     percentiles: list[float],
     goodput_ms: dict[str, float] | None = None,
+    structured: bool = False,
 ) -> dict[str, Any]:
     """Counts, throughputs and latency distributions of a run (vLLM's definitions and keys);
-    failed requests count only as failed."""
+    failed requests count only as failed. `structured`: the answers were held to JSON
+    objects; `json_valid_rate` is the share of completed ones that parse as one (an answer cut
+    by max_tokens does not)."""
     ok = [r for r in results if r.ok]
     inp = sum(r.prompt_tokens for r in ok)
     out = sum(r.output_tokens for r in ok)
@@ -426,6 +444,8 @@ def compute_metrics(
             spec_accept_length=(accepted + steps) / steps if steps else None,
             spec_acceptance_rate=accepted / proposed if proposed else None,
         )
+    if structured:
+        m["json_valid_rate"] = sum(map(_is_json_object, ok)) / len(ok) if ok else 0.0
     if goodput_ms:
         good = sum(is_good(r, goodput_ms) for r in ok)
         m.update(request_goodput=per_s(good), good_requests=good, goodput_targets_ms=goodput_ms)
@@ -438,6 +458,13 @@ def compute_metrics(
     for name, _, _ in LATENCIES:
         m.update(distribution(name, values[name], percentiles))
     return m
+
+
+def _is_json_object(r: Result) -> bool:
+    try:
+        return isinstance(json.loads("".join(r.text)), dict)
+    except ValueError:
+        return False
 
 
 def detailed(results: list[Result]) -> dict[str, list]:
@@ -516,7 +543,8 @@ async def run(
             out = []
             async with sem:  # a conversation keeps its slot: turn t+1 follows turn t
                 for req in conv:
-                    body = request_body(req, model, args.endpoint_type, not args.no_ignore_eos)
+                    body = request_body(req, model, args.endpoint_type, not args.no_ignore_eos,
+                                        args.response_format)
                     out.append(await _one(client, url, body, args.timeout))
                     bar.update(1)
             return out
@@ -546,7 +574,8 @@ async def run(
     }
     if unit is not None:
         summary["sharegpt_length_unit"] = unit
-    summary.update(compute_metrics(results, duration, percentiles, goodput_ms))
+    summary.update(compute_metrics(results, duration, percentiles, goodput_ms,
+                                   args.response_format != "text"))
     if args.save_detailed:
         summary.update(detailed(results))
     return summary
@@ -580,6 +609,8 @@ def format_summary(s: dict[str, Any]) -> str:
         if s["spec_accept_length"] is not None:
             row("Spec. decoding acceptance length", s["spec_accept_length"])
             row("Spec. decoding acceptance rate", s["spec_acceptance_rate"])
+    if s.get("json_valid_rate") is not None:
+        row("Valid JSON outputs (share)", s["json_valid_rate"])
     if s.get("request_goodput") is not None:
         row("Request goodput (req/s)", s["request_goodput"])
         targets = " ".join(f"{k}:{v:g}" for k, v in s["goodput_targets_ms"].items())

@@ -578,6 +578,18 @@ def test_bench_serve_cli(server, tmp_path):
         for name in ("ttft", "itl", "e2el"):
             for kind in ("mean", "median", "p99"):
                 assert result[f"{kind}_{name}_ms"] > 0, (name, kind)
+    # structured outputs: every chat answer held to a JSON object, the share that parses
+    out = tmp_path / "json.json"
+    p = subprocess.run([sys.executable, "-m", "swaserve.cli", "bench", "serve", "--base-url",
+                        server.url, "--api-key", API_KEY, "--endpoint-type", "chat",
+                        "--response-format", "json_object", "--num-prompts", "4",
+                        "--max-concurrency", "4", "--input-len", "8", "--output-len", "48",
+                        "--result-file", str(out)],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Valid JSON outputs (share):" in p.stdout
+    result = json.loads(out.read_text())
+    assert result["completed"] == 4 and 0 <= result["json_valid_rate"] <= 1
 
 
 # ---- errors ---------------------------------------------------------------------------------

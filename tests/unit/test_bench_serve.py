@@ -413,3 +413,22 @@ def test_bench_offline_shows_progress_on_the_workload_only():
     calls.clear()
     run_offline_bench(FakeEngine(), 5, (3, 4), (2, 3), progress=False)
     assert calls[-1] == (5, False)
+
+
+def test_response_format_json_object_counts_valid_answers():
+    body = S.request_body(D.BenchRequest("Hi", 8), "m", "chat", ignore_eos=True,
+                          response_format="json_object")  # fmt: skip
+    assert body["response_format"] == {"type": "json_object"}
+    assert "response_format" not in S.request_body(D.BenchRequest("Hi", 8), "m", "chat", True)
+    whole = _fetch(body, _sse(
+        {"choices": [{"index": 0, "delta": {"content": '{"a": '}, "token_ids": [5, 6]}]},
+        {"choices": [{"index": 0, "delta": {"content": "1}"}, "token_ids": [7]}]},
+    ))  # fmt: skip
+    cut = _fetch(body, _sse(
+        {"choices": [{"index": 0, "delta": {"content": '{"a": '}, "token_ids": [5, 6]}]},
+    ))  # fmt: skip
+    assert "".join(whole.text) == '{"a": 1}'
+    m = S.compute_metrics([whole, cut], 1.0, [50], structured=True)
+    assert m["json_valid_rate"] == 0.5
+    assert "Valid JSON outputs (share):" in S.format_summary({**m, "max_concurrency": 1})
+    assert "json_valid_rate" not in S.compute_metrics([whole], 1.0, [50])
