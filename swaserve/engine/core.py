@@ -490,7 +490,7 @@ class EngineCore:
         its grammar, compiled here and cached); returns the max_tokens to use."""
         check_vocab_ids(params, self.hf_config.vocab_size)
         if params.structured_outputs is not None:
-            self.grammars.matcher(params.structured_outputs)
+            self.grammars.compile(params.structured_outputs)
         limit = ContextLimit(self.max_model_len, self.context_by_kv_pool)
         return check_prompt(limit, num_prompt_tokens, params)
 

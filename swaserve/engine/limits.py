@@ -75,8 +75,7 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
 
 def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
     """The token ids a request's params name (stop_token_ids, logit_bias, allowed_token_ids)
-    must be in the
-    vocabulary; PromptError naming the field otherwise."""
+    must be in the vocabulary; PromptError naming the field otherwise."""
     for name, ids in (("stop_token_ids", params.stop_token_ids),
                       ("logit_bias", params.logit_bias or ()),
                       ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip

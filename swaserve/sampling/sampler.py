@@ -37,7 +37,7 @@ from torch import Tensor
 
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
-from swaserve.sampling.structured import apply_token_bitmask
+from swaserve.sampling.structured import apply_token_bitmask, keep_only
 
 
 @dataclass
@@ -203,6 +203,9 @@ class SamplingTensors:
         def f32(xs: list[float]) -> Tensor:
             return _to_device(torch.tensor(xs, dtype=torch.float32), device)
 
+        def longs(xs: list[int]) -> Tensor | None:
+            return _to_device(torch.tensor(xs, dtype=torch.long), device) if xs else None
+
         repetition_penalty = repetition_mask = None
         if rep_rows:
             repetition_penalty = f32([r.params.repetition_penalty for r in rows])
@@ -231,25 +234,15 @@ class SamplingTensors:
             ),
             top_p=f32(top_ps) if any(p < 1.0 for p in top_ps) else None,
             min_p=f32(min_ps) if any(p > 0.0 for p in min_ps) else None,
-            logit_bias_at=(
-                _to_device(torch.tensor(bias_at, dtype=torch.long), device) if bias else None
-            ),
+            logit_bias_at=longs(bias_at),
             logit_bias=f32(bias) if bias else None,
-            allowed_rows=(
-                _to_device(torch.tensor(allowed_rows, dtype=torch.long), device)
-                if allowed_rows
-                else None
-            ),
-            allowed_at=(
+            allowed_rows=longs(allowed_rows),
+            allowed_at=(  # may be empty (every id past the vocabulary): all banned
                 _to_device(torch.tensor(allowed_at, dtype=torch.long), device)
                 if allowed_rows
                 else None
             ),
-            grammar_rows=(
-                _to_device(torch.tensor(grammar_rows, dtype=torch.long), device)
-                if grammar_rows
-                else None
-            ),
+            grammar_rows=longs(grammar_rows),
             grammar_bitmask=(
                 _to_device(torch.stack([rows[i].token_bitmask for i in grammar_rows]), device)
                 if grammar_rows
@@ -260,11 +253,7 @@ class SamplingTensors:
             frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty,
             output_counts=output_counts,
-            min_tokens_fill=(
-                _to_device(torch.tensor(min_tokens_fill, dtype=torch.long), device)
-                if min_tokens_fill
-                else None
-            ),
+            min_tokens_fill=longs(min_tokens_fill),
             seeded_rows=seeded_rows,
             any_unseeded_random=any_unseeded_random,
             all_greedy=all(greedy),
@@ -321,12 +310,10 @@ def apply_penalties(logits: Tensor, t: SamplingTensors) -> None:
     if t.grammar_rows is not None:
         apply_token_bitmask(logits, t.grammar_rows, t.grammar_bitmask)
     if t.allowed_rows is not None:
-        banned = torch.ones(t.allowed_rows.shape[0] * logits.shape[1], dtype=torch.bool,
-                            device=logits.device)
-        banned.index_fill_(0, t.allowed_at, False)
-        sub = logits.index_select(0, t.allowed_rows)
-        sub.masked_fill_(banned.view_as(sub), float("-inf"))
-        logits.index_copy_(0, t.allowed_rows, sub)
+        allowed = torch.zeros(t.allowed_rows.shape[0], logits.shape[1], dtype=torch.bool,
+                              device=logits.device)
+        allowed.view(-1).index_fill_(0, t.allowed_at, True)
+        keep_only(logits, t.allowed_rows, allowed)
     if t.logit_bias is not None:
         logits.view(-1).index_add_(0, t.logit_bias_at, t.logit_bias)
     if t.repetition_penalty is not None:

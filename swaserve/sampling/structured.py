@@ -126,10 +126,14 @@ class Grammars:
         self._compiled: dict[str, Any] = {}
 
     def matcher(self, spec: dict[str, Any]) -> Any:
-        """A fresh `GrammarMatcher` for the spec; ValueError naming structured_outputs when it
-        does not compile."""
+        """A fresh `GrammarMatcher` for the spec (`compile`)."""
         import xgrammar as xgr
 
+        return xgr.GrammarMatcher(self.compile(spec))
+
+    def compile(self, spec: dict[str, Any]) -> Any:
+        """The spec's compiled grammar, cached; ValueError naming structured_outputs when it
+        does not compile."""
         key = json.dumps(spec, sort_keys=True)
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -143,7 +147,7 @@ class Grammars:
                     f"structured_outputs {kind} cannot be used: {_first_line(e)}"
                 ) from None
             self._compiled[key] = compiled
-        return xgr.GrammarMatcher(compiled)
+        return compiled
 
     def _compiler_now(self) -> Any:
         import xgrammar as xgr
@@ -211,6 +215,12 @@ def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
     V = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :V].bool()
+    keep_only(logits, rows, allowed)
+
+
+def keep_only(logits: Tensor, rows: Tensor, allowed: Tensor) -> None:
+    """logits [B, V]: rows `rows` [R] keep the tokens `allowed` [R, V] (bool) marks; the
+    others become -inf, in place."""
     sub = logits.index_select(0, rows)
     sub.masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, rows, sub)

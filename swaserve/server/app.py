@@ -111,6 +111,11 @@ class ServerState:
             "max_model_len": self.max_model_len,
         }
 
+    def check_model(self, name: str | None) -> None:
+        """404 unless `name` (when given) is this server's model."""
+        if name is not None and not self.serves(name):
+            raise self.unknown_model(name)
+
     def unknown_model(self, name: str) -> APIError:
         return APIError(
             404,
@@ -343,8 +348,7 @@ def _params(
 ) -> SamplingParams:
     if state.client.dead is not None:
         raise APIError(503, f"engine core is not running: {state.client.dead}")
-    if body.model is not None and not state.serves(body.model):
-        raise state.unknown_model(body.model)
+    state.check_model(body.model)
     if body.stream_options is not None and not body.stream:
         raise bad("stream_options is only allowed with stream=true", "stream_options")
     try:
@@ -706,8 +710,7 @@ class _CompletionView:
 
 
 def _tokenize(state: ServerState, body: P.TokenizeRequest) -> dict:
-    if body.model is not None and not state.serves(body.model):
-        raise state.unknown_model(body.model)
+    state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad("give one of prompt and messages", "prompt")
     if body.messages is not None:
@@ -723,8 +726,7 @@ def _tokenize(state: ServerState, body: P.TokenizeRequest) -> dict:
 
 
 def _detokenize(state: ServerState, body: P.DetokenizeRequest) -> dict:
-    if body.model is not None and not state.serves(body.model):
-        raise state.unknown_model(body.model)
+    state.check_model(body.model)
     if state.tokenizer is None:
         raise bad(f"model {state.model_name} has no tokenizer", "tokens")
     if any(not 0 <= t < state.vocab_size for t in body.tokens):

@@ -9,10 +9,9 @@ import gc
 
 import pytest
 import torch
-import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import save_random_hf_model
+from tests.unit.test_engine_release import folder  # noqa: F401  (the same tiny Llama)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,17 +26,6 @@ def _torch_caches() -> None:
     """torch keeps a cuBLAS workspace (32 MiB on Hopper) per stream that ran a GEMM, past any
     engine: each graph capture's side stream adds one. Not the engine's: cleared here."""
     torch._C._cuda_clearCublasWorkspaces()
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=2048,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("release-cuda")
-    save_random_hf_model(cfg, path)
-    return str(path)
 
 
 def _allocated() -> int:
@@ -75,7 +63,7 @@ def _check_dropped(start) -> None:
 
 @pytest.mark.parametrize("extra", [{}, {"speculative_algorithm": "ngram"}],
                          ids=["plain", "ngram"])  # fmt: skip
-def test_a_dropped_engine_returns_device_memory(folder, extra):
+def test_a_dropped_engine_returns_device_memory(folder, extra):  # noqa: F811
     _check_dropped(lambda: Engine(model=folder, kv_cache_gb=POOL_GB, cuda_graph_max_bs=8,
                                   **extra))
 
@@ -93,7 +81,7 @@ def test_a_dropped_dflash_engine_returns_device_memory(tmp_path):
         disable_adaptive_speculation=True))  # fmt: skip
 
 
-def test_shutdown_returns_device_memory_a_cycle_would_keep(folder):
+def test_shutdown_returns_device_memory_a_cycle_would_keep(folder):  # noqa: F811
     base = _allocated()
     with Engine(model=folder, kv_cache_gb=POOL_GB, cuda_graph_max_bs=8) as eng:
         _use(eng)
