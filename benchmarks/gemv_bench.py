@@ -7,7 +7,8 @@ swaserve's RMSNorm or act_and_mul kernel in front, a torch add behind), then eve
 GemvConfig at the first row count, the six fastest at the others (checked first against a
 float32 reference: max |diff| within a few bf16 steps of the output's scale, or it is not
 timed). Rows past `gemv.MAX_ROWS` (`--rows 4 8 16`) sweep the tensor-core variant's tiles
-(`use_dot`) instead; the engine takes `gemv.DOT_TILE` there only with SWASERVE_GEMV_ROWS > 2.
+(`use_dot`) instead, or the elementwise ones, or both (`--row-tiles`); the engine takes
+`gemv.row_config`'s tile there only with SWASERVE_GEMV_ROWS > 2.
 Each timing is a CUDA graph of launches over rotating copies of the weight (more bytes than
 the L2 holds, as the layers of a model are), replayed; time per launch, and the weight bytes
 read per second.
@@ -65,6 +66,15 @@ DOT_CANDIDATES = [  # the tensor-core variant, for rows past gemv.MAX_ROWS
     for bk in (64, 128, 256)
     for w in (4, 8)
     for s in (3, 4)
+]
+# the elementwise variant past gemv.MAX_ROWS (`--row-tiles fma|both`): rows x n x k products
+# in registers, at most 8,192 a program at 8 rows
+ROW_CANDIDATES = [
+    GemvConfig(bn, bk, 4, s)
+    for bn in (2, 4, 8, 16)
+    for bk in (32, 64, 128, 256)
+    for s in (2, 3)
+    if bn * bk <= 1024
 ]
 # what the engine's decode GEMV path runs per projection (models/llama.py, forward_gemv)
 VARIANT = {"qkv": "norm", "o": "res", "gate_up": "norm", "down": "act", "head": None}
@@ -156,6 +166,8 @@ def main() -> None:
     ap.add_argument("--model", default="llama-8b", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--shapes", nargs="+", help="a subset of the model's shapes (default all)")
+    ap.add_argument("--row-tiles", default="dot", choices=["dot", "fma", "both"],
+                    help="tiles swept past gemv.MAX_ROWS: tensor-core, elementwise, or both")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     log = open(OUT / "gemv_bench.jsonl", "a")
@@ -171,7 +183,9 @@ def main() -> None:
         ]
         norm = RMSNorm(k, 1e-5).to(dev)
         norm.weight.data = torch.rand(k, device=dev) + 0.5
-        first = {False: CANDIDATES, True: DOT_CANDIDATES}
+        past = {"dot": DOT_CANDIDATES, "fma": ROW_CANDIDATES,
+                "both": DOT_CANDIDATES + ROW_CANDIDATES}[args.row_tiles]
+        first = {False: CANDIDATES, True: past}
         tiles = {}
         for m in args.rows:
             dot = m > MAX_ROWS

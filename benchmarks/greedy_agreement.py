@@ -12,6 +12,9 @@ prompts whose 32 tokens equal the reference's:
   default    the engine as it ships
   gemv-off   SWASERVE_GEMV_ROWS=0: batch-1 steps through cuBLAS and the separate norm,
              activation and residual launches, as before the decode GEMV (stop 18)
+  rows-2     SWASERVE_GEMV_ROWS=2: the GEMV at one and two rows only, as before small models
+             took up to 8 (2026-12-05)
+A third mode runs the prompts in groups of six (steps of 3 to 6 rows).
 
 Prints a table last; JSON to $OUT/greedy_agreement_<model>.json.
 
@@ -38,7 +41,12 @@ from fp8_gemma270m import MORE_PROMPTS, PROMPTS, first_divergence, hf_greedy  # 
 from swaserve import Engine, SamplingParams  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
-VARIANTS = {"default": {}, "gemv-off": {"SWASERVE_GEMV_ROWS": "0"}}
+VARIANTS = {
+    "default": {},
+    "gemv-off": {"SWASERVE_GEMV_ROWS": "0"},
+    "rows-2": {"SWASERVE_GEMV_ROWS": "2"},  # the GEMV at one and two rows only (before 2026-12-05)
+}
+BY = 6  # the third mode: prompts in groups of this many (steps of <= 6 rows)
 
 
 def _engine(model: str, **kw) -> Engine:
@@ -80,11 +88,14 @@ def run_variant(model: str, env: dict[str, str], ref: dict) -> dict:
     one = [eng.generate(prompt_token_ids=[x], sampling_params=p, use_tqdm=False)[0]
            for x in ids]  # fmt: skip
     batch = eng.generate(prompt_token_ids=ids, sampling_params=p, use_tqdm=False)
+    groups = [o for i in range(0, len(ids), BY)
+              for o in eng.generate(prompt_token_ids=ids[i:i + BY], sampling_params=p,
+                                    use_tqdm=False)]  # fmt: skip
     del eng
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     out = {}
-    for mode, got in (("batch1", one), ("batched", batch)):
+    for mode, got in (("batch1", one), ("batched", batch), (f"by{BY}", groups)):
         toks = [list(o.outputs[0].token_ids) for o in got]
         out[mode] = {
             "equal": sum(a == b for a, b in zip(toks, ref["tokens"])),
@@ -117,10 +128,11 @@ def main() -> int:
     (out / f"greedy_agreement_{name}.json").write_text(json.dumps(res))
     n = res["prompts"]
     print(f"\n{name} on {dev}: prompts whose 32 greedy tokens equal the float32 CPU reference")
-    print("| variant | one prompt at a time | all prompts in one batch |")
-    print("|---|---|---|")
+    print(f"| variant | one prompt at a time | all prompts in one batch | groups of {BY} |")
+    print("|---|---|---|---|")
     for v, r in res["variants"].items():
-        print(f"| {v} | {r['batch1']['equal']}/{n} | {r['batched']['equal']}/{n} |")
+        print(f"| {v} | {r['batch1']['equal']}/{n} | {r['batched']['equal']}/{n} "
+              f"| {r[f'by{BY}']['equal']}/{n} |")
     return 0
 
 

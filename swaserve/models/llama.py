@@ -93,19 +93,19 @@ class LlamaDecoderLayer(nn.Module):
         from swaserve.ops.gemv import default_config, gemv, row_config
 
         attn, mlp = self.self_attn, self.mlp
-        cfg = row_config(h.shape[0])
+        rows = h.shape[0]
         # the q/k/v GEMV also rotates q/k and stores K/V where the model allows (RopeStore)
         w = attn.qkv_weight
-        qkv_cfg = cfg or default_config(h.shape[0], w.shape[0], w.shape[1], norm=True)
+        qkv_cfg = row_config(rows, "qkv") or default_config(rows, w.shape[0], w.shape[1], norm=True)
         store = attn.gemv_rope_store(positions, fb, qkv_cfg.block_n)
         qkv = gemv(h, w, attn.qkv_bias, norm=self.input_layernorm, config=qkv_cfg,
                    rope_store=store)  # fmt: skip
         a = attn.attend(positions, qkv, fb, kv_stored=store is not None)
-        h = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=h, config=cfg)
+        h = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=h, config=row_config(rows, "o"))
         gu = gemv(h, mlp.gate_up_weight, mlp.gate_up_bias, norm=self.post_attention_layernorm,
-                  config=cfg)  # fmt: skip
+                  config=row_config(rows, "gate_up"))  # fmt: skip
         return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, act=mlp.act_name,
-                    config=cfg)  # fmt: skip
+                    config=row_config(rows, "down"))  # fmt: skip
 
 
 class LlamaModel(nn.Module):

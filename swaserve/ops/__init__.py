@@ -40,15 +40,20 @@ def enable_fused_ops(model: nn.Module, enabled: bool = True) -> int:
             module.fused = enabled
             switched += 1
         elif isinstance(module, LlamaModel):
-            module.gemv_rows = gemv_rows() if enabled else 0
+            module.gemv_rows = gemv_rows(module.embed_tokens.embedding_dim) if enabled else 0
             module._gemv_ready = None
     return switched
 
 
-def gemv_rows() -> int:
-    """Steps of at most this many tokens take the decode GEMV path (SWASERVE_GEMV_ROWS, default
-    `gemv.MAX_ROWS`, at most `gemv.MAX_DOT_ROWS`; 0: never). Steps of more than MAX_ROWS tokens
-    run its tensor-core tile (`gemv.row_config`; an experiment, slower than cuBLAS where timed)."""
-    from swaserve.ops.gemv import MAX_DOT_ROWS, MAX_ROWS
+def gemv_rows(hidden_size: int) -> int:
+    """Steps of at most this many tokens take the decode GEMV path: SWASERVE_GEMV_ROWS (0:
+    never; at most `gemv.MAX_DOT_ROWS`), else `gemv.SMALL_MODEL_ROWS` on models of hidden size
+    at most `gemv.SMALL_HIDDEN` (speculative verify steps and small decode batches: the GEMV's
+    row tiles beat cuBLAS with its separate launches there) and `gemv.MAX_ROWS` on larger ones
+    (Llama-8B's shapes: cuBLAS wins past two rows)."""
+    from swaserve.ops.gemv import MAX_DOT_ROWS, MAX_ROWS, SMALL_HIDDEN, SMALL_MODEL_ROWS
 
-    return max(0, min(MAX_DOT_ROWS, int(os.environ.get("SWASERVE_GEMV_ROWS", MAX_ROWS))))
+    env = os.environ.get("SWASERVE_GEMV_ROWS")
+    if env is not None:
+        return max(0, min(MAX_DOT_ROWS, int(env)))
+    return SMALL_MODEL_ROWS if hidden_size <= SMALL_HIDDEN else MAX_ROWS

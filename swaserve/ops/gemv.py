@@ -48,11 +48,17 @@ from swaserve.ops.rmsnorm import NormParams
 from swaserve.ops.rounding import round_to, rounded
 
 MAX_ROWS = 2  # rows the engine's path takes; at 4 cuBLAS won by 10-45% on Llama-8B's shapes
-# Rows the tensor-core variant takes (`GemvConfig.use_dot`), only when SWASERVE_GEMV_ROWS asks
-# for more than MAX_ROWS: in the engine it lost (H100, 2026-12-05, benchmarks/RESULTS.md): the
-# verify graph of smollm2's 5- and 8-row speculative steps took 1.97-2.52 ms against cuBLAS's
-# 1.14-1.41.
+# Rows an explicit config takes (`row_config`), only when SWASERVE_GEMV_ROWS asks for more than
+# MAX_ROWS. With one tensor-core tile for every projection the engine lost (H100, 2026-12-05,
+# benchmarks/RESULTS.md: smollm2's verify graph 1.97-2.52 ms against cuBLAS's 1.14-1.41): that
+# tile took 35.7 us on down (ROW_TILES).
 MAX_DOT_ROWS = 16
+# Models this small (hidden size) take steps of up to SMALL_MODEL_ROWS tokens through the GEMV
+# by default (`swaserve.ops.gemv_rows`), with ROW_TILES past MAX_ROWS: on smollm2-135m (576) the
+# verify graph of a speculative step went 1.23-1.29 -> 1.05-1.08 ms (8 rows) and 1.14-1.17 ->
+# 0.97-1.00 (5 rows); on Llama-8B's shapes (4096) cuBLAS wins past two rows (H200, 2026-12-05).
+SMALL_HIDDEN = 1024
+SMALL_MODEL_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,20 @@ def default_config(m: int, n: int, k: int, norm: bool = False, act: bool = False
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=3)
 
 
-# The engine's tile past MAX_ROWS (`row_config`), when SWASERVE_GEMV_ROWS asks for more rows: a
+# The engine's tiles past MAX_ROWS (`row_config`), when SWASERVE_GEMV_ROWS asks for more rows: a
 # verify step of speculative decoding ([last, d_1..d_K] per request) or a small decode batch.
-# A tile of gemv_bench.py's sweep (16 columns a program so that Llama-8B's q/k/v has 384
-# programs); correct on the CPU interpreter and on the GPU, slower than cuBLAS there (above).
+# From gemv_bench.py's sweep on smollm2-135m's shapes at 5 and 8 rows (H200, 2026-12-05,
+# benchmarks/RESULTS.md): tensor-core tiles for q/k/v, o and gate/up (4.2, 3.2, 4.6 us against
+# cuBLAS's 5.3, 5.1, 6.2 with their norm and add launches), the elementwise tile for down with
+# its activation in front (7.5 against 8.1; the tensor-core tile took 35.7 there: one tile for
+# every projection was why the engine lost with it).
 DOT_TILE = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=4, use_dot=True)
+ROW_TILES = {
+    "qkv": GemvConfig(block_n=16, block_k=128, num_warps=8, num_stages=4, use_dot=True),
+    "o": DOT_TILE,
+    "gate_up": GemvConfig(block_n=32, block_k=64, num_warps=4, num_stages=4, use_dot=True),
+    "down": GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=3),
+}
 
 
 @dataclass(frozen=True)
@@ -120,10 +135,20 @@ def rope_store_fits(head_dim: int, half: int, block_n: int) -> bool:
     return 2 * half == head_dim and p > 0 and half % p == 0
 
 
-def row_config(rows: int) -> GemvConfig | None:
-    """The config the engine passes for a step of `rows` tokens: None (`default_config`) up to
-    MAX_ROWS, the tensor-core tile past it (at most MAX_DOT_ROWS)."""
-    return None if rows <= MAX_ROWS else DOT_TILE
+def row_config(rows: int, projection: str) -> GemvConfig | None:
+    """The config the engine passes for a step of `rows` tokens through `projection` (a
+    ROW_TILES key): None (`default_config`) up to MAX_ROWS; past it (at most MAX_DOT_ROWS) the
+    tile SWASERVE_GEMV_ROW_TILE names ("n/k/warps/stages", "/dot" for the tensor-core variant)
+    for every projection, else the projection's ROW_TILES entry. The engine takes rows past
+    MAX_ROWS only when SWASERVE_GEMV_ROWS asks (an experiment)."""
+    if rows <= MAX_ROWS:
+        return None
+    spec = os.environ.get("SWASERVE_GEMV_ROW_TILE")
+    if not spec:
+        return ROW_TILES[projection]
+    parts = spec.split("/")
+    n, k, warps, stages = (int(v) for v in parts[:4])
+    return GemvConfig(n, k, warps, stages, use_dot=parts[4:] == ["dot"])
 
 
 @triton.jit
@@ -283,14 +308,14 @@ def gemv(
     n = weight.shape[0]
     bad_act = act is not None and (norm is not None or x.shape[1] != 2 * k)
     if (
-        m > (MAX_DOT_ROWS if config is not None and config.use_dot else MAX_ROWS)
+        m > (MAX_DOT_ROWS if config is not None else MAX_ROWS)
         or weight.shape[1] != k
         or x.stride(1) != 1
         or not weight.is_contiguous()
         or bad_act
     ):
         raise ValueError(
-            f"gemv takes x [<= {MAX_ROWS}, K] ({MAX_DOT_ROWS} rows with a `use_dot` config; "
+            f"gemv takes x [<= {MAX_ROWS}, K] ({MAX_DOT_ROWS} rows with an explicit config; "
             f"2 K with `act`, which takes no norm) with unit "
             f"stride and a contiguous [N, K] weight; got x {tuple(x.shape)} strides "
             f"{x.stride()}, weight {tuple(weight.shape)}, act {act}, norm {norm is not None}"

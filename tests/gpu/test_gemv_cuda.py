@@ -44,7 +44,7 @@ def _run(folder, prompts: list[list[int]], rows: str, monkeypatch, graphs: int) 
 
 
 @pytest.mark.parametrize("graphs", [8, 0])
-# batch 8 with SWASERVE_GEMV_ROWS=8: the tensor-core tile past two rows (gemv.DOT_TILE)
+# batch 8 with SWASERVE_GEMV_ROWS=8: the tiles past two rows (gemv.ROW_TILES)
 @pytest.mark.parametrize(("batch", "rows"), [(1, "2"), (2, "2"), (8, "8")])
 def test_gemv_decode_equals_path_off_and_transformers(tiny, monkeypatch, graphs, batch, rows):
     folder, ref = tiny

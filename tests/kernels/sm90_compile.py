@@ -155,9 +155,12 @@ GEMV_CASES = [
     ("gemv fp32 norm residual", torch.float32, 1, 4096, 14336, True, False, True),
     ("gemv bf16 silu residual", torch.bfloat16, 1, 4096, 14336, "silu", False, True),
     ("gemv bf16 silu residual 2 rows", torch.bfloat16, 2, 4096, 14336, "silu", False, True),
-    # the tensor-core variant (GemvConfig.use_dot, swept by gemv_bench.py at 4 to 16 rows)
+    # past MAX_ROWS (gemv.ROW_TILES): tensor-core tiles (GemvConfig.use_dot) for q/k/v, o and
+    # gate/up, the elementwise one for down
     ("gemv dot bf16 norm 8 rows", torch.bfloat16, 8, 6144, 4096, True, False, False),
-    ("gemv dot bf16 silu residual 16 rows", torch.bfloat16, 16, 4096, 14336, "silu", False,
+    ("gemv dot bf16 norm wide 8 rows", torch.bfloat16, 8, 28672, 4096, True, False, False),
+    ("gemv dot bf16 residual 8 rows", torch.bfloat16, 8, 4096, 4096, False, False, True),
+    ("gemv bf16 silu residual 16 rows", torch.bfloat16, 16, 4096, 14336, "silu", False,
      True),
     ("gemv bf16 norm pdl", torch.bfloat16, 1, 6144, 4096, True, False, False, True),
     ("gemv bf16 silu residual pdl", torch.bfloat16, 1, 4096, 14336, "silu", False, True, True),
@@ -183,8 +186,9 @@ def compile_gemv(case: tuple) -> None:
     rope = case[9] if len(case) > 9 else None
     act = norm if isinstance(norm, str) else None  # an activation name in the norm column
     norm = norm is True
-    if m > g.MAX_ROWS:  # the tensor-core variant: the engine's tile past MAX_ROWS rows
-        cfg = g.row_config(m)
+    if m > g.MAX_ROWS:  # the engine's tile past MAX_ROWS rows for this projection
+        proj = "down" if act else "gate_up" if norm and n >= 16384 else "qkv" if norm else "o"
+        cfg = g.row_config(m, proj)
     else:
         cfg = g.default_config(m, n, k, norm, act is not None)
     t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]

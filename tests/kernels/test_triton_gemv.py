@@ -22,7 +22,15 @@ pytest.importorskip("triton")
 
 from swaserve.models.blocks import RMSNorm  # noqa: E402
 from swaserve.ops.activation import act_and_mul  # noqa: E402
-from swaserve.ops.gemv import MAX_DOT_ROWS, MAX_ROWS, GemvConfig, default_config, gemv  # noqa: E402
+from swaserve.ops.gemv import (  # noqa: E402
+    MAX_DOT_ROWS,
+    MAX_ROWS,
+    SMALL_HIDDEN,
+    SMALL_MODEL_ROWS,
+    GemvConfig,
+    default_config,
+    gemv,
+)
 
 DEVICE = torch.device("cuda" if _CUDA else "cpu")
 SMALL = {
@@ -121,19 +129,21 @@ def test_triton_gemv_gated_activation_in_front(dtype, act, m, n, k):
         assert err.max().item() < 8e-3
 
 
+@pytest.mark.parametrize("tile", ["dot", "narrow"])
 @pytest.mark.parametrize("m", [3, 8, 16])
-def test_triton_gemv_dot_variant_more_rows(m):
-    """The tensor-core variant (`use_dot`) on 3 to MAX_DOT_ROWS rows, with a norm and a
-    residual: what gemv_bench.py sweeps against cuBLAS at 4 to 16 rows."""
+def test_triton_gemv_more_rows(m, tile):
+    """An explicit tile on 3 to MAX_DOT_ROWS rows, with a norm and a residual: the
+    tensor-core variant (`use_dot`) and the elementwise one, what gemv_bench.py sweeps against
+    cuBLAS past MAX_ROWS (the default tile stops at MAX_ROWS)."""
     k, n = 96, 40
     x = _randn(m, k, dtype=torch.float32, seed=13)
     w = _randn(n, k, dtype=torch.float32, seed=14)
     r = _randn(m, n, dtype=torch.float32, seed=15)
     nm = RMSNorm(k, 1e-6).to(DEVICE)
-    got = gemv(x, w, norm=nm, residual=r, config=SMALL["dot"])
+    got = gemv(x, w, norm=nm, residual=r, config=SMALL[tile])
     torch.testing.assert_close(got.double(), _reference(x, w, None, nm, r), atol=2e-5, rtol=2e-5)
-    with pytest.raises(ValueError, match="gemv takes"):  # the broadcast tiles stop at MAX_ROWS
-        gemv(x, w, config=SMALL["narrow"])
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(x, w)
 
 
 def test_triton_gemv_refuses_bad_shapes():
@@ -148,6 +158,20 @@ def test_triton_gemv_refuses_bad_shapes():
         gemv(_randn(1, 32, dtype=torch.float32, seed=9), w.T.contiguous().T)
     with pytest.raises(ValueError, match="gemv takes"):  # act: x is gate|up, [m, 2 K]
         gemv(_randn(1, 32, dtype=torch.float32, seed=9), w, act="silu")
+
+
+def test_gemv_rows_by_model_size(monkeypatch):
+    """Small models take steps of up to SMALL_MODEL_ROWS through the GEMV, larger ones up to
+    MAX_ROWS (cuBLAS wins past two rows on Llama-8B's shapes); SWASERVE_GEMV_ROWS overrides
+    both, capped at MAX_DOT_ROWS."""
+    from swaserve.ops import gemv_rows
+
+    monkeypatch.delenv("SWASERVE_GEMV_ROWS", raising=False)
+    assert gemv_rows(576) == gemv_rows(SMALL_HIDDEN) == SMALL_MODEL_ROWS
+    assert gemv_rows(SMALL_HIDDEN + 1) == gemv_rows(4096) == MAX_ROWS
+    for env, want in (("0", 0), ("2", 2), ("99", MAX_DOT_ROWS)):
+        monkeypatch.setenv("SWASERVE_GEMV_ROWS", env)
+        assert gemv_rows(576) == gemv_rows(4096) == want
 
 
 def test_triton_gemv_path_only_for_dense_llama_layers():
@@ -177,7 +201,9 @@ def test_triton_gemv_path_only_for_dense_llama_layers():
         assert not model.model.takes_gemv(1), name  # fused ops off: never
         enable_fused_ops(model)
         assert model.model.takes_gemv(1) == dense, name
-        assert not model.model.takes_gemv(MAX_ROWS + 1), name
+        # a small model (hidden 32) takes steps of up to SMALL_MODEL_ROWS (ops.gemv_rows)
+        assert model.model.takes_gemv(SMALL_MODEL_ROWS) == dense, name
+        assert not model.model.takes_gemv(SMALL_MODEL_ROWS + 1), name
         assert not model.model.takes_gemv(0), name  # an idle rank's empty step
         enable_fused_ops(model, enabled=False)
         assert not model.model.takes_gemv(1), name

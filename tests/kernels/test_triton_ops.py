@@ -367,11 +367,11 @@ def test_triton_fused_ops_model(tmp_path, name, backend):
 def test_triton_gemv_path_past_two_rows(tmp_path, monkeypatch):
     """SWASERVE_GEMV_ROWS above gemv.MAX_ROWS (an experiment, off by default): batched decode
     steps of up to 5 rows and n-gram verify steps of K + 1 = 4 rows per request run the decode
-    GEMV's tensor-core tile (`gemv.row_config`), and give the eager blocks' greedy tokens and
-    logprobs (float32)."""
+    GEMV's tiles past two rows (`gemv.row_config`: tensor-core tiles, the elementwise one for
+    down), and give the eager blocks' greedy tokens and logprobs (float32)."""
     from swaserve import Engine, SamplingParams
     from swaserve.ops import enable_fused_ops
-    from swaserve.ops.gemv import DOT_TILE, row_config
+    from swaserve.ops.gemv import ROW_TILES, row_config
     from tests.helpers import save_random_hf_model
 
     monkeypatch.setenv("SWASERVE_GEMV_ROWS", "8")
@@ -400,7 +400,8 @@ def test_triton_gemv_path_past_two_rows(tmp_path, monkeypatch):
     want = run()
     enable_fused_ops(model)
     assert model.model.gemv_rows == 8 and model.model.takes_gemv(5)
-    assert row_config(2) is None and row_config(5) is DOT_TILE
+    assert row_config(2, "o") is None and row_config(5, "o") is ROW_TILES["o"]
+    assert row_config(5, "qkv").use_dot and not row_config(5, "down").use_dot
     import swaserve.ops.gemv as gemv_module
 
     rows_seen: list[int] = []
@@ -416,7 +417,8 @@ def test_triton_gemv_path_past_two_rows(tmp_path, monkeypatch):
     got = run()
     assert max(rows_seen) > 2  # steps past MAX_ROWS went through the GEMV
     # the q/k/v GEMVs of one- and two-row steps rotated q/k and stored K/V themselves
-    # (gemv.RopeStore: head_dim 24 splits into rotary half-tiles of 4, not of the dot tile's 8)
+    # (gemv.RopeStore: head_dim 24 splits into rotary half-tiles of 4, not of the q/k/v row
+    # tile's 8)
     assert any(rope_stores)
     for a, b in zip(got, want, strict=True):
         assert [t for t, _ in a] == [t for t, _ in b]
