@@ -164,6 +164,16 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=16,
                    help="most samples (n) per request (default: %(default)s)")
     g.add_argument(
+        "--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+        help="how tool_choice 'auto' finds tool calls in the model's answers; auto: the format "
+        "the chat template's own tool calls use, if it has any (default: %(default)s)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="vLLM's flag: tool_choice 'auto' must work, so starting fails when no tool-call "
+        "parser is given or implied by the chat template (default: 'auto' works where one is)",
+    )
+    g.add_argument(
         "--stream-interval", type=int, default=1, metavar="N",
         help="streaming: send a sample's tokens once N are new (its first token and its end "
         "at once); larger N costs the frontend less per token at many streams (default: "
@@ -194,7 +204,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
         log_level=args.log_level, served_model_name=args.served_model_name,
         playground=not args.disable_playground, stream_interval=args.stream_interval,
-        startup_timeout=args.startup_timeout,
+        startup_timeout=args.startup_timeout, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     config = EngineConfig(**engine_kwargs(args))
     if config.disaggregation_mode:  # a missing transfer library fails now, not after loading

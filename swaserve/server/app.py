@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from swaserve.server.dp_client import DPClient
 from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestFailed
 from swaserve.server.metrics import CONTENT_TYPE, Metrics
 from swaserve.server.metrics_dp import RankedMetrics
+from swaserve.server.tools import ToolDeltas, ToolError, ToolPlan, messages_for_template, plan_tools
 from swaserve.speculative.metrics import merge_spec
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class ServerState:
     # A PD instance (--disaggregation-mode): its core's mode, bootstrap address and transfer
     # backend, served at /v1/disaggregation for the router; None on a plain instance.
     disaggregation: dict | None = None
+    # The tool-call parser of tool_choice "auto" (server/tools.py): --tool-call-parser, or the
+    # one the chat template implies; None: "auto" is a 400.
+    tool_parser: str | None = None
     # Tokenizing and chat templates run here, not on the event loop: a long prompt would stall
     # every other request's streaming. One thread: requests tokenized in arrival order, and
     # the tokenizer never used from two threads at once.
@@ -714,7 +718,12 @@ def _tokenize(state: ServerState, body: P.TokenizeRequest) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise bad("give one of prompt and messages", "prompt")
     if body.messages is not None:
-        text, add = _render_chat(state, body), bool(body.add_special_tokens)
+        try:  # the tools as an "auto" request renders them ("none" without a parser)
+            plan = plan_tools(body.tools, None if state.tool_parser else "none", None,
+                              state.tool_parser)  # fmt: skip
+        except ToolError as e:
+            raise bad(str(e), e.param) from None
+        text, add = _render_chat(state, body, plan), bool(body.add_special_tokens)
     else:
         text, add = body.prompt, body.add_special_tokens is not False
     ids = _encode(state, text, add_special_tokens=add)
@@ -737,7 +746,12 @@ def _detokenize(state: ServerState, body: P.DetokenizeRequest) -> dict:
 # ---- /v1/chat/completions -------------------------------------------------------------------
 
 
-def _render_chat(state: ServerState, body: P.ChatCompletionRequest | P.TokenizeRequest) -> str:
+def _render_chat(
+    state: ServerState,
+    body: P.ChatCompletionRequest | P.TokenizeRequest,
+    plan: ToolPlan | None = None,
+) -> str:
+    """The prompt text; `plan`: the request's tools (server/tools.py)."""
     tok = state.tokenizer
     if tok is None:
         raise bad(f"model {state.model_name} has no tokenizer, so no chat template")
@@ -751,9 +765,11 @@ def _render_chat(state: ServerState, body: P.ChatCompletionRequest | P.TokenizeR
     if not body.messages:
         raise bad("messages must not be empty", "messages")
     add_gen = True if body.add_generation_prompt is None else body.add_generation_prompt
+    messages = messages_for_template([m.to_template() for m in body.messages], plan, template)
     try:
         return tok.apply_chat_template(
-            [m.to_template() for m in body.messages],
+            messages,
+            tools=plan.tools if plan is not None else None,
             chat_template=template,
             tokenize=False,
             add_generation_prompt=add_gen,
@@ -762,22 +778,54 @@ def _render_chat(state: ServerState, body: P.ChatCompletionRequest | P.TokenizeR
         raise bad(f"the chat template failed on these messages: {e}", "messages") from None
 
 
-def _chat_prompt(state: ServerState, body: P.ChatCompletionRequest) -> tuple[str, list[int]]:
-    prompt = _render_chat(state, body)
+def _chat_prompt(
+    state: ServerState, body: P.ChatCompletionRequest, plan: ToolPlan | None
+) -> tuple[str, list[int]]:
+    prompt = _render_chat(state, body, plan)
     # The template already holds the special tokens: no BOS added again (as Engine.chat).
     return prompt, _encode(state, prompt, add_special_tokens=False)
 
 
+def _tool_plan(
+    state: ServerState, body: P.ChatCompletionRequest, params: SamplingParams
+) -> tuple[ToolPlan | None, SamplingParams]:
+    """The request's tools (server/tools.py) and the params they change: the grammar of a
+    required or named call; special tokens kept for a parser whose marker is one."""
+    try:
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
+    if plan is None:
+        return None, params
+    grammar = plan.structured_outputs()
+    if grammar is not None:
+        if params.structured_outputs is not None:
+            raise bad(
+                "tool_choice 'required' or a named function holds the output to the tools' "
+                "schemas: give no response_format or structured_outputs with it",
+                "tool_choice",
+            )
+        try:
+            check_syntax(grammar)
+        except ValueError as e:
+            raise bad(f"tools: {e}", "tools") from None
+        params = replace(params, structured_outputs=grammar)
+    if plan.mode == "auto" and plan.parser == "mistral" and body.skip_special_tokens is None:
+        params = replace(params, skip_special_tokens=False)  # [TOOL_CALLS] is a control token
+    return plan, params
+
+
 async def _chat(state: ServerState, body: P.ChatCompletionRequest, raw: Request) -> Response:
     params = _params(state, body)
-    prompt, ids = await _off_loop(state, _chat_prompt, state, body)
+    plan, params = _tool_plan(state, body, params)
+    prompt, ids = await _off_loop(state, _chat_prompt, state, body, plan)
     _check_prompt(state, ids, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     queue, rids = _start(
         state, rid, [(prompt, ids)], params, bool(body.stream), _disagg(state, raw)
     )
-    view = _ChatView(state, body, params, ids, rid, created)
+    view = _ChatView(state, body, params, ids, rid, created, plan)
     if body.stream:
         return _stream_response(view.stream(_events(state, queue, rids)), state, rids)
     finals = await _collect(state, raw, queue, rids)
@@ -793,9 +841,11 @@ class _ChatView:
         prompt_ids: list[int],
         rid: str,
         created: int,
+        plan: ToolPlan | None = None,
     ) -> None:
         self.state, self.body, self.params = state, body, params
         self.prompt_ids, self.id, self.created = prompt_ids, rid, created
+        self.plan = plan  # the request's tools: the output's calls are read by it
         self.text = P.TokenText(state.tokenizer)
         self.token_ids = bool(body.return_token_ids)
 
@@ -807,11 +857,18 @@ class _ChatView:
     def response(self, ro: RequestOutput) -> dict:
         choices = []
         for co in ro.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": co.text}
+            reason = co.finish_reason
+            if self.plan is not None:
+                message["content"], calls = self.plan.output(co.text)
+                if calls:
+                    message["tool_calls"] = calls
+                reason = self.plan.finish_reason(reason, bool(calls))
             c: dict[str, Any] = {
                 "index": co.index,
-                "message": {"role": "assistant", "content": co.text},
+                "message": message,
                 "logprobs": self._lps(co),
-                "finish_reason": co.finish_reason,
+                "finish_reason": reason,
                 "stop_reason": co.stop_reason,
             }
             if self.token_ids:
@@ -858,6 +915,7 @@ class _ChatView:
         yield _sse(first)
         completion_tokens, cached = 0, 0
         spec: list[dict] = []
+        tools: dict[int, ToolDeltas] = {}  # per choice, with a ToolPlan
         async for ev in events:
             if isinstance(ev, dict):
                 yield _sse(ev)
@@ -869,15 +927,19 @@ class _ChatView:
             choices = []
             for co in ro.outputs:
                 completion_tokens += len(co.token_ids)
-                if not (
-                    co.text or co.finish_reason or co.logprobs or (self.token_ids and co.token_ids)
-                ):
+                delta: dict[str, Any] = {"content": co.text} if co.text else {}
+                reason = co.finish_reason
+                if self.plan is not None:
+                    td = tools.setdefault(co.index, self.plan.stream())
+                    delta = _merged(td.feed(co.text) + (td.finish() if reason else []))
+                    reason = self.plan.finish_reason(reason, td.called)
+                if not (delta or reason or co.logprobs or (self.token_ids and co.token_ids)):
                     continue  # tokens whose text is held back (a stop string may start there)
                 c: dict[str, Any] = {
                     "index": co.index,
-                    "delta": {"content": co.text} if co.text else {},
+                    "delta": delta,
                     "logprobs": self._lps(co),
-                    "finish_reason": co.finish_reason,
+                    "finish_reason": reason,
                 }
                 if co.finish_reason is not None:
                     c["stop_reason"] = co.stop_reason
@@ -892,6 +954,17 @@ class _ChatView:
             if final is not None:
                 yield final
         yield "data: [DONE]\n\n"
+
+
+def _merged(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """One chunk's delta from a choice's tool deltas: content joined, calls listed."""
+    out: dict[str, Any] = {}
+    for d in deltas:
+        if "content" in d:
+            out["content"] = out.get("content", "") + d["content"]
+        if "tool_calls" in d:
+            out.setdefault("tool_calls", []).extend(d["tool_calls"])
+    return out
 
 
 def _final_chunk(

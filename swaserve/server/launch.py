@@ -87,6 +87,24 @@ class ServerArgs:
     playground: bool = True  # the page at / (--disable-playground turns it off)
     stream_interval: int = 1  # streamed deltas of at least this many tokens (OutputProcessor)
     startup_timeout: float = READY_TIMEOUT_S  # seconds until every engine core is ready
+    tool_call_parser: str = "auto"  # tool_choice "auto" (server/tools.py); auto: the template's
+    enable_auto_tool_choice: bool = False  # vLLM's flag: no parser is then an error at start
+
+
+def _tool_parser(args: ServerArgs, tokenizer: Any, chat_template: str | None) -> str | None:
+    """The parser of tool_choice "auto" (server/tools.py), checked before anything loads."""
+    from swaserve.server.tools import resolve_parser
+
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    parser = resolve_parser(args.tool_call_parser, template)
+    if parser is None and args.enable_auto_tool_choice:
+        raise ValueError(
+            "--enable-auto-tool-choice: this model's chat template implies no tool-call format; "
+            "name one with --tool-call-parser (hermes, llama3_json, mistral)"
+        )
+    if parser is not None:
+        log.info("tool_choice 'auto' reads tool calls with the %s parser", parser)
+    return parser
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -206,11 +224,13 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
             )
         tokenizer = load_tokenizer(folder, config.tokenizer)
         chat_template = read_chat_template(config.chat_template)
+        tool_parser = _tool_parser(args, tokenizer, chat_template)
         tmp = tempfile.mkdtemp(prefix="swaserve-ipc-")
         cores = _Cores()
         try:
             code = asyncio.run(
-                _main(config, args, sock, folder, tokenizer, chat_template, tmp, cores)
+                _main(config, args, sock, folder, tokenizer, chat_template, tmp, cores,
+                      tool_parser)  # fmt: skip
             )
         finally:
             wait = (GONE_STOP_S if cores.gone else STOP_S) if cores.ready else 0.01
@@ -257,6 +277,7 @@ async def _main(
     chat_template: str | None,
     tmp: str,
     cores: _Cores,
+    tool_parser: str | None = None,
 ) -> int:
     import uvicorn
 
@@ -324,6 +345,7 @@ async def _main(
             created=int(time.time()),
             playground=args.playground,
             disaggregation=info.get("disaggregation"),
+            tool_parser=tool_parser,
         )
         server = _server_class()(
             uvicorn.Config(

@@ -2,8 +2,9 @@
 `RequestOutput`s.
 
 Requests are validated strictly: wrong types are errors (no "5" -> 5, no true -> 1), and any
-field not listed here is a 400 naming it (`tools`, `suffix`, ... are never silently ignored).
-`response_format` (and vLLM's `structured_outputs`) become a grammar (sampling/structured.py).
+field not listed here is a 400 naming it (`suffix`, ... are never silently ignored).
+`response_format` (and vLLM's `structured_outputs`) become a grammar (sampling/structured.py);
+`tools` and `tool_choice` are read by server/tools.py.
 Accepted beyond the OpenAI fields, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `min_tokens`, `stop_token_ids`, `allowed_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`, `structured_outputs`, `return_token_ids`, `prompt_logprobs`
@@ -17,6 +18,7 @@ to -9999.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -180,20 +182,74 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDef(_Strict):
+    """A tool's function: its name, what it does, and a JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments are held to the schema when a grammar runs
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallMessage(_Strict):
+    """A tool call of an earlier assistant turn, sent back in `messages`."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
     def to_template(self) -> dict[str, Any]:
-        """The message as a chat template expects it: text parts joined into one string."""
+        """The message as a chat template expects it: text parts joined into one string; a
+        tool call's arguments as an object where they parse (templates serialise them)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(p.text for p in content)
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -202,6 +258,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
+    tools: list[ToolDef] | None = Field(default=None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -220,6 +279,7 @@ class TokenizeRequest(_TextRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None  # rendered by the chat template, as for chat requests
     add_generation_prompt: bool | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = None

@@ -210,6 +210,8 @@ def server(tmp_path_factory):
         "64",
         "--max-n",
         "4",
+        "--tool-call-parser",  # SmolLM2's template has no tool format: tool_choice "auto" reads
+        "hermes",  # <tool_call> blocks (test_tools_server.py)
         "--log-level",
         "info",
     ]

@@ -708,11 +708,11 @@ def test_unsupported_fields_are_named(server):
     r = post(
         server,
         "/chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": "auto"},
+        {"messages": [{"role": "user", "content": "hi"}], "functions": [], "best_of": 2},
     )
     assert r.status_code == 400
-    assert "'tools'" in r.json()["error"]["message"]
-    assert "'tool_choice'" in r.json()["error"]["message"]
+    assert "'functions'" in r.json()["error"]["message"]
+    assert "'best_of'" in r.json()["error"]["message"]
 
 
 def test_api_key(server, client):
@@ -812,15 +812,18 @@ _CHAT = st.fixed_dictionaries(
         "logprobs": st.booleans(),
         "top_logprobs": st.integers(0, 5),
         "add_generation_prompt": st.booleans(),
+        "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}}}}}]),
+        "tool_choice": st.sampled_from(
+            ["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+        "parallel_tool_calls": st.booleans(),
     },
 )
 _UNSUPPORTED = [
-    "tools",
-    "tool_choice",
     "suffix",
     "best_of",
     "functions",
-    "parallel_tool_calls",
+    "function_call",
     "x",
 ]
 

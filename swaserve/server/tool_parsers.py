@@ -1,0 +1,454 @@
+"""Tool calls found in a chat model's generated text (OpenAI `tool_choice="auto"`), in the
+output formats of common model families. One parser per format:
+
+- `hermes` (Hermes 2 Pro / 3, Qwen2.5, Qwen3): plain text, then zero or more
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (whitespace around the JSON
+  allowed). The last block may lack its `</tool_call>` (generation stopped at EOS): its JSON runs
+  to the end of the output.
+- `llama3_json` (Llama 3.1 / 3.2 JSON tool calling): the whole output, after optional leading
+  whitespace and an optional `<|python_tag|>`, is one JSON object `{"name": ...,
+  "parameters": {...}}`, or several separated by `;` (a trailing `;` and whitespace allowed).
+- `mistral`: text, then `[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}`
+  objects (one bare object is taken as an array of one); there may be several `[TOOL_CALLS]`
+  markers, each followed by its own array. (The newer `[TOOL_CALLS]name[ARGS]{...}` form is not
+  read: such output stays content.)
+
+A call is valid when its JSON parses to an object whose "name" is a string in `tool_names` and
+whose arguments ("arguments", else "parameters"; absent means `{}`) are a JSON object or a JSON
+string that holds one. `ParsedCall.arguments` is that object re-serialised with
+`json.dumps(obj, ensure_ascii=False)`.
+
+What is content, and what an invalid call does:
+
+- Everywhere: when no valid call is found, the content is the whole text, unchanged, and the
+  calls are []. When there are calls, the content is the non-call text stripped of surrounding
+  whitespace, None when that is empty.
+- `hermes` judges each block alone: a valid block is a call, an invalid one (bad JSON, unknown
+  name, arguments not an object) stays in the content as its raw text, tags included. The
+  content is the concatenation of every piece that is not a valid block (the text before, between
+  and after blocks, and the invalid blocks), stripped.
+- `llama3_json` and `mistral` are all or nothing: one invalid call (or anything else after the
+  first `[TOOL_CALLS]` that is not a JSON array of calls, for mistral) makes the whole output
+  content. For mistral the content beside calls is the text before the first `[TOOL_CALLS]`.
+
+Streaming (`ToolParser.stream()`): `feed(delta)` returns the events certain so far, in order, and
+`finish()` the rest; an event is a piece of content text or one complete `ParsedCall`, never
+taken back. Plain text is emitted as soon as it cannot be the start of a marker (a suffix that
+is a prefix of `<tool_call>` / `[TOOL_CALLS]` / `<|python_tag|>` is held back), and whitespace is
+held until non-whitespace content follows it (so content that ends up trailing is never sent).
+Once a marker is seen the rest is buffered: a hermes block is judged at its `</tool_call>` (or
+at finish when unclosed); after a mistral `[TOOL_CALLS]`, and for llama3_json once the output
+(after whitespace) starts with `{` or `<|python_tag|>`, everything waits for `finish()`.
+
+The invariant, for every way of splitting a text into deltas: the calls of feed()+finish() are
+parse()'s calls, in order; and their str events joined equal parse()'s content (None as "")
+exactly when there is no call. When there are calls, they are equal after `.strip()`: the only
+difference is whitespace at the start of the content, sent before any call could be known (the
+streamed content never ends in whitespace then). No str event is empty.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One tool call: the tool's name and its arguments object as JSON text."""
+
+    name: str
+    arguments: str
+
+
+# A piece of plain content text, or one complete tool call.
+Event = str | ParsedCall
+
+HERMES_OPEN = "<tool_call>"
+HERMES_CLOSE = "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_MARKER = "[TOOL_CALLS]"
+
+
+def _to_call(obj: Any, tool_names: frozenset[str]) -> ParsedCall | None:
+    """The call that a decoded JSON value stands for, None when it is not a valid one."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or name not in tool_names:
+        return None
+    if "arguments" in obj:
+        args = obj["arguments"]
+    else:
+        args = obj.get("parameters", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+def _content(pieces: list[str], calls: list[ParsedCall], text: str) -> str | None:
+    """parse()'s content: the whole text when there is no call, else the non-call pieces joined
+    and stripped (None when empty)."""
+    if not calls:
+        return text
+    return "".join(pieces).strip() or None
+
+
+class ToolStream:
+    """Incremental parsing of one generation: feed() each delta, then finish() once."""
+
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        self._tool_names = tool_names
+        self._held = ""  # whitespace not yet sent: it is content only if content follows
+        self._called = False
+        self._done = False
+
+    def feed(self, delta: str) -> list[Event]:
+        """The events that are certain once `delta` is appended, in order."""
+        if self._done:
+            raise RuntimeError("feed() after finish()")
+        events: list[Event] = []
+        if delta:
+            self._feed(delta, events)
+        return events
+
+    def finish(self) -> list[Event]:
+        """The remaining events, at the end of generation."""
+        if self._done:
+            raise RuntimeError("finish() called twice")
+        self._done = True
+        events: list[Event] = []
+        self._finish(events)
+        if self._held and not self._called:
+            events.append(self._held)
+        self._held = ""
+        return events
+
+    def _feed(self, delta: str, events: list[Event]) -> None:
+        raise NotImplementedError
+
+    def _finish(self, events: list[Event]) -> None:
+        raise NotImplementedError
+
+    def _text(self, events: list[Event], text: str) -> None:
+        """Sends content `text`, holding back its trailing whitespace."""
+        text = self._held + text
+        k = len(text.rstrip())
+        if k:
+            events.append(text[:k])
+        self._held = text[k:]
+
+    def _call(self, events: list[Event], call: ParsedCall) -> None:
+        self._called = True
+        events.append(call)
+
+
+class ToolParser:
+    """Base class: one subclass per output format, named by `name`."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, tool_names: set[str]) -> None:
+        self.tool_names = frozenset(tool_names)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """A whole output -> (content, calls); see the module docstring for the rules."""
+        raise NotImplementedError
+
+    def stream(self) -> ToolStream:
+        """A fresh incremental parser for one generation."""
+        raise NotImplementedError
+
+
+# --- hermes ----------------------------------------------------------------------------------
+
+
+def _hermes_call(body: str, tool_names: frozenset[str]) -> ParsedCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    return _to_call(obj, tool_names)
+
+
+class HermesParser(ToolParser):
+    """`<tool_call>{...}</tool_call>` blocks, each judged alone."""
+
+    name = "hermes"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        pieces: list[str] = []
+        calls: list[ParsedCall] = []
+        pos = 0
+        while True:
+            i = text.find(HERMES_OPEN, pos)
+            if i < 0:
+                pieces.append(text[pos:])
+                break
+            pieces.append(text[pos:i])
+            start = i + len(HERMES_OPEN)
+            j = text.find(HERMES_CLOSE, start)
+            end = len(text) if j < 0 else j + len(HERMES_CLOSE)
+            call = _hermes_call(text[start:len(text) if j < 0 else j], self.tool_names)
+            if call is None:
+                pieces.append(text[i:end])
+            else:
+                calls.append(call)
+            pos = end
+            if j < 0:
+                break
+        return _content(pieces, calls, text), calls
+
+    def stream(self) -> ToolStream:
+        return _HermesStream(self.tool_names)
+
+
+class _HermesStream(ToolStream):
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        super().__init__(tool_names)
+        self._buf = ""  # outside a block: text held back; inside: the block's body so far
+        self._in_block = False
+        self._scan = 0  # inside a block: where to look for the close tag next
+
+    def _feed(self, delta: str, events: list[Event]) -> None:
+        self._buf += delta
+        while True:
+            if not self._in_block:
+                i = self._buf.find(HERMES_OPEN)
+                if i < 0:
+                    keep = len(self._buf) - _held_prefix(self._buf, HERMES_OPEN)
+                    self._text(events, self._buf[:keep])
+                    self._buf = self._buf[keep:]
+                    return
+                self._text(events, self._buf[:i])
+                self._buf = self._buf[i + len(HERMES_OPEN):]
+                self._in_block, self._scan = True, 0
+            else:
+                j = self._buf.find(HERMES_CLOSE, self._scan)
+                if j < 0:
+                    self._scan = max(0, len(self._buf) - len(HERMES_CLOSE) + 1)
+                    return
+                body = self._buf[:j]
+                self._buf = self._buf[j + len(HERMES_CLOSE):]
+                self._in_block = False
+                self._block(events, body, HERMES_CLOSE)
+
+    def _finish(self, events: list[Event]) -> None:
+        if self._in_block:
+            self._block(events, self._buf, "")
+        else:
+            self._text(events, self._buf)
+        self._buf = ""
+
+    def _block(self, events: list[Event], body: str, close: str) -> None:
+        call = _hermes_call(body, self._tool_names)
+        if call is None:
+            self._text(events, HERMES_OPEN + body + close)
+        else:
+            self._call(events, call)
+
+
+# --- llama3_json -----------------------------------------------------------------------------
+
+
+def _llama3_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | None:
+    """The calls when the whole of `text` is `[<|python_tag|>] {...} [; {...}]* [;]` (whitespace
+    allowed around each part), else None."""
+    s = text.lstrip()
+    if s.startswith(PYTHON_TAG):
+        s = s[len(PYTHON_TAG):]
+    decoder = json.JSONDecoder()
+    calls: list[ParsedCall] = []
+    pos, n = 0, len(s)
+    while True:
+        while pos < n and s[pos].isspace():
+            pos += 1
+        if pos == n and calls:
+            return calls
+        try:
+            obj, pos = decoder.raw_decode(s, pos)
+        except ValueError:
+            return None
+        call = _to_call(obj, tool_names)
+        if call is None:
+            return None
+        calls.append(call)
+        while pos < n and s[pos].isspace():
+            pos += 1
+        if pos == n:
+            return calls
+        if s[pos] != ";":
+            return None
+        pos += 1
+
+
+class Llama3JsonParser(ToolParser):
+    """The whole output one or more `;`-separated JSON calls, or content."""
+
+    name = "llama3_json"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        calls = _llama3_calls(text, self.tool_names)
+        if calls is None:
+            return text, []
+        return None, calls
+
+    def stream(self) -> ToolStream:
+        return _Llama3Stream(self.tool_names)
+
+
+class _Llama3Stream(ToolStream):
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        super().__init__(tool_names)
+        self._mode = ""  # "" undecided, "text": plain content, "json": maybe calls, buffered
+        self._chunks: list[str] = []
+
+    def _feed(self, delta: str, events: list[Event]) -> None:
+        if self._mode == "text":
+            events.append(delta)
+            return
+        self._chunks.append(delta)
+        if self._mode == "json":
+            return
+        head = "".join(self._chunks)
+        self._chunks = [head]
+        s = head.lstrip()
+        if not s or PYTHON_TAG.startswith(s):
+            return  # whitespace, or maybe the start of <|python_tag|>: not yet known
+        if s.startswith("{") or s.startswith(PYTHON_TAG):
+            self._mode = "json"
+        else:
+            self._mode = "text"
+            self._chunks = []
+            events.append(head)
+
+    def _finish(self, events: list[Event]) -> None:
+        text = "".join(self._chunks)
+        self._chunks = []
+        calls = _llama3_calls(text, self._tool_names) if self._mode == "json" else None
+        if calls is None:
+            if text:
+                events.append(text)
+        else:
+            for call in calls:
+                self._call(events, call)
+
+
+# --- mistral ---------------------------------------------------------------------------------
+
+
+def _mistral_calls(tail: str, tool_names: frozenset[str]) -> list[ParsedCall] | None:
+    """The calls in `tail` (the text after the first [TOOL_CALLS]) when every part between
+    markers is a non-empty JSON array of valid calls (or one call object), else None."""
+    calls: list[ParsedCall] = []
+    for part in tail.split(MISTRAL_MARKER):
+        try:
+            obj = json.loads(part)
+        except ValueError:
+            return None
+        items = obj if isinstance(obj, list) else [obj]
+        if not items:
+            return None
+        for item in items:
+            call = _to_call(item, tool_names)
+            if call is None:
+                return None
+            calls.append(call)
+    return calls
+
+
+class MistralParser(ToolParser):
+    """Text, then `[TOOL_CALLS]` and JSON arrays of calls; all valid or all content."""
+
+    name = "mistral"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        i = text.find(MISTRAL_MARKER)
+        if i < 0:
+            return text, []
+        calls = _mistral_calls(text[i + len(MISTRAL_MARKER):], self.tool_names)
+        if calls is None:
+            return text, []
+        return _content([text[:i]], calls, text), calls
+
+    def stream(self) -> ToolStream:
+        return _MistralStream(self.tool_names)
+
+
+class _MistralStream(ToolStream):
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        super().__init__(tool_names)
+        self._buf = ""  # before the marker: text held back
+        self._tail: list[str] | None = None  # after the first marker: everything, buffered
+
+    def _feed(self, delta: str, events: list[Event]) -> None:
+        if self._tail is not None:
+            self._tail.append(delta)
+            return
+        self._buf += delta
+        i = self._buf.find(MISTRAL_MARKER)
+        if i < 0:
+            keep = len(self._buf) - _held_prefix(self._buf, MISTRAL_MARKER)
+            self._text(events, self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return
+        self._text(events, self._buf[:i])
+        self._tail = [self._buf[i + len(MISTRAL_MARKER):]]
+        self._buf = ""
+
+    def _finish(self, events: list[Event]) -> None:
+        if self._tail is None:
+            self._text(events, self._buf)
+            self._buf = ""
+            return
+        tail = "".join(self._tail)
+        calls = _mistral_calls(tail, self._tool_names)
+        if calls is None:
+            self._text(events, MISTRAL_MARKER + tail)
+        else:
+            for call in calls:
+                self._call(events, call)
+
+
+# --- registry --------------------------------------------------------------------------------
+
+PARSERS: dict[str, type[ToolParser]] = {
+    cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser)
+}
+
+
+def get_parser(name: str, tool_names: set[str]) -> ToolParser:
+    """The parser called `name` for these tools; ValueError naming the choices otherwise."""
+    cls = PARSERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of {sorted(PARSERS)}")
+    return cls(tool_names)
+
+
+def detect_parser(chat_template: str | None) -> str | None:
+    """The parser that a chat template's own tool-call format implies, None when it shows none:
+    `<tool_call>` -> hermes, `<|python_tag|>` or `ipython` -> llama3_json, `[TOOL_CALLS]` ->
+    mistral (checked in that order)."""
+    if not chat_template:
+        return None
+    if HERMES_OPEN in chat_template:
+        return "hermes"
+    if PYTHON_TAG in chat_template or "ipython" in chat_template:
+        return "llama3_json"
+    if MISTRAL_MARKER in chat_template:
+        return "mistral"
+    return None

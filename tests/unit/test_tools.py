@@ -1,0 +1,154 @@
+"""server/tools.py: what each tool_choice becomes (grammar, parser, finish_reason), streamed
+output equal to the whole, the prompt a template that ignores tools gets, and the errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from swaserve.sampling.structured import check_syntax
+from swaserve.server import protocol as P
+from swaserve.server.tools import (
+    ToolError,
+    messages_for_template,
+    plan_tools,
+    resolve_parser,
+)
+
+
+def _tools(*names: str, params: dict | None = None) -> list[P.ToolDef]:
+    schema = params or {"type": "object", "properties": {"x": {"type": "integer"}}}
+    return [P.ToolDef.model_validate({"type": "function", "function": {
+        "name": n, "description": f"tool {n}", "parameters": schema}}) for n in names]  # fmt: skip
+
+
+def _named(name: str) -> P.NamedToolChoice:
+    return P.NamedToolChoice.model_validate({"type": "function", "function": {"name": name}})
+
+
+def _streamed(plan, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]], bool]:
+    td = plan.stream()
+    deltas, prev = [], 0
+    for c in [*cuts, len(text)]:
+        deltas += td.feed(text[prev:c])
+        prev = c
+    deltas += td.finish()
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            entry = calls.setdefault(tc["index"], ["", ""])
+            if "id" in tc:
+                entry[0] = tc["function"]["name"]
+            entry[1] += tc["function"]["arguments"]
+    return content, [tuple(calls[i]) for i in sorted(calls)], td.called
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_is_a_grammar_of_calls_and_streams_like_the_whole(parallel):
+    plan = plan_tools(_tools("a", "b"), "required", parallel, None)
+    grammar = plan.structured_outputs()
+    check_syntax(grammar)  # xgrammar compiles it
+    array = grammar["json"]
+    assert array["minItems"] == 1 and ("maxItems" in array) == (parallel is False)
+    assert {c["properties"]["name"]["const"] for c in array["items"]["anyOf"]} == {"a", "b"}
+    texts = {
+        '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]':
+            [("a", '{"x": 1}'), ("b", "{}")],
+        '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "para':  # cut by max_tokens
+            [("a", '{"x": 1}')],
+        "not json": [],
+    }  # fmt: skip
+    rng = random.Random(0)
+    for text, want in texts.items():
+        content, calls = plan.output(text)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want
+        assert content == (None if want else text)
+        assert plan.finish_reason("stop", bool(calls)) == ("tool_calls" if want else "stop")
+        assert plan.finish_reason("length", bool(calls)) == "length"
+        splits = [[i] for i in range(len(text) + 1)]
+        splits += [sorted(rng.sample(range(len(text)), 5)) for _ in range(20)]
+        for cuts in splits:
+            s_content, s_calls, called = _streamed(plan, text, cuts)
+            assert s_calls == want and called == bool(want), cuts
+            assert s_content == ("" if want else text), cuts
+
+
+def test_named_call_is_the_whole_output():
+    plan = plan_tools(_tools("a", "b"), _named("b"), None, None)
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    assert plan.structured_outputs() == {"json": schema}
+    content, calls = plan.output('{"x": 3}')
+    assert content is None and calls[0]["function"] == {"name": "b", "arguments": '{"x": 3}'}
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+    assert plan.finish_reason("stop", True) == "stop"  # OpenAI's for a forced call
+    for cuts in ([], [1], [2, 5, 6]):
+        assert _streamed(plan, '{"x": 3}', cuts) == ("", [("b", '{"x": 3}')], True)
+    assert _streamed(plan, "", []) == ("", [("b", "")], True)  # the call's head still goes out
+
+
+def test_auto_reads_calls_with_the_parser():
+    plan = plan_tools(_tools("a"), None, None, "hermes")  # tools given: "auto" by default
+    assert plan.mode == "auto" and plan.structured_outputs() is None
+    text = 'Let me look.\n<tool_call>{"name": "a", "arguments": {"x": 2}}</tool_call>'
+    content, calls = plan.output(text)
+    assert content == "Let me look." and calls[0]["function"]["arguments"] == '{"x": 2}'
+    for cuts in ([], [3], [14, 20], list(range(1, len(text)))):
+        s_content, s_calls, called = _streamed(plan, text, cuts)
+        assert s_content.strip() == "Let me look." and s_calls == [("a", '{"x": 2}')] and called
+    assert plan.output("No call here.") == ("No call here.", [])
+    none = plan_tools(_tools("a"), "none", None, None)
+    assert none.structured_outputs() is None and none.output(text) == (text, [])
+
+
+@pytest.mark.parametrize(("tools", "choice", "parser", "param", "says"), [
+    (None, "required", "hermes", "tool_choice", "needs tools"),
+    (_tools("a"), _named("b"), "hermes", "tool_choice", "not among the tools"),
+    (_tools("a", "a"), "required", None, "tools", "given twice"),
+    (_tools("bad name"), "required", None, "tools", "letters, digits"),
+    (_tools("a", params={"type": "array"}), "required", None, "tools", "of an object"),
+    (_tools("a"), "auto", None, "tool_choice", "--tool-call-parser"),
+    (_tools("a"), None, None, "tool_choice", "--tool-call-parser"),
+])  # fmt: skip
+def test_bad_tool_requests(tools, choice, parser, param, says):
+    with pytest.raises(ToolError, match=says) as e:
+        plan_tools(tools, choice, None, parser)
+    assert e.value.param == param
+
+
+def test_prompt_for_templates_that_ignore_tools():
+    plan = plan_tools(_tools("a"), "auto", None, "hermes")
+    call = {"id": "call_1", "type": "function", "function": {"name": "a", "arguments": {"x": 1}}}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
+                                                "tool_calls": [call]}]  # fmt: skip
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    out = messages_for_template([dict(m) for m in msgs], plan, plain)
+    assert out[0]["role"] == "system" and '"name": "a"' in out[0]["content"]
+    assert "<tool_call>" in out[0]["content"]  # how to call, in the parser's format
+    assert out[2]["content"] == '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
+    assert "tool_calls" not in out[2]
+    with_system = [{"role": "system", "content": "Be brief."}, *msgs]
+    out = messages_for_template([dict(m) for m in with_system], plan, plain)
+    assert out[0]["content"].startswith("Be brief.\n\nYou can call") and len(out) == 3
+    reads = "{{ tools }}{% for m in messages %}{{ m.tool_calls }}{% endfor %}"
+    out = messages_for_template([dict(m) for m in msgs], plan, reads)
+    assert out == msgs  # the template shows both itself
+
+
+def test_resolve_parser():
+    assert resolve_parser("auto", "... <tool_call> ...") == "hermes"
+    assert resolve_parser(None, "{{ messages }}") is None
+    assert resolve_parser("mistral", None) == "mistral"
+    with pytest.raises(ValueError, match="hermes"):
+        resolve_parser("pythonic", None)
+
+
+def test_assistant_calls_reach_the_template_as_objects():
+    m = P.ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "a", "arguments": '{"x": 1}'}},
+        {"id": "d", "type": "function", "function": {"name": "a", "arguments": "not json"}}]})
+    t = m.to_template()
+    assert [c["function"]["arguments"] for c in t["tool_calls"]] == [{"x": 1}, "not json"]
+    assert P.ChatMessage.model_validate(
+        {"role": "tool", "tool_call_id": "c", "content": "5"}).to_template()["tool_call_id"] == "c"
