@@ -188,6 +188,23 @@ def test_drafts_stop_where_the_grammar_would_refuse_or_complete(smollm_engine):
     assert matcher.accept_token(a) and not matcher.is_terminated()  # where it began
 
 
+def test_compiled_grammars_are_a_bounded_lru(smollm_engine, monkeypatch):
+    """The compiled grammars an engine keeps are bounded (least recently used dropped); one
+    dropped is compiled again when asked for, and a cached one is the same object."""
+    import swaserve.sampling.structured as structured
+
+    monkeypatch.setattr(structured, "MAX_CACHED_GRAMMARS", 3)
+    grammars = smollm_engine.core.grammars
+    specs = [normalise({"regex": f"x{i}"}) for i in range(4)]
+    first = [grammars.compile(s) for s in specs[:3]]
+    assert grammars.compile(specs[0]) is first[0]  # specs[0] is now the most recent
+    grammars.compile(specs[3])  # drops specs[1], the least recently used
+    keys = [json.dumps(s, sort_keys=True) for s in specs]
+    assert keys[1] not in grammars._compiled and len(grammars._compiled) == 3
+    assert grammars.compile(specs[0]) is first[0]
+    assert grammars.compile(specs[1]) is not first[1]  # compiled again
+
+
 def test_ngram_speculation_with_structured_requests():
     """Structured requests draft too (n-gram), their drafts cut where the grammar refuses and
     each verify row masked for the drafts before it: greedy outputs equal speculation off
