@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -123,7 +125,10 @@ def _first_line(e: Exception) -> str:
 
 class Grammars:
     """One engine core's grammar compiler: the tokenizer's vocabulary read once (at the first
-    structured request), compiled grammars cached by spec."""
+    structured request), compiled grammars cached by spec. `compile_async` compiles on a
+    thread of its own (xgrammar releases the GIL while it compiles), so that a server's core
+    loop keeps stepping the running requests meanwhile; the cache and the compiler's creation
+    are locked, the compiles themselves are not."""
 
     def __init__(self, tokenizer_loader: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self._load_tokenizer = tokenizer_loader
@@ -131,6 +136,9 @@ class Grammars:
         self.stop_token_ids = stop_token_ids
         self._compiler: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # spec -> grammar, LRU
+        self._lock = threading.Lock()  # the cache
+        self._compiler_lock = threading.Lock()  # one TokenizerInfo, built once
+        self._pool: ThreadPoolExecutor | None = None  # compile_async's thread, made at first use
 
     def matcher(self, spec: dict[str, Any]) -> Any:
         """A fresh `GrammarMatcher` for the spec (`compile`)."""
@@ -142,36 +150,50 @@ class Grammars:
         """The spec's compiled grammar, cached; ValueError naming structured_outputs when it
         does not compile."""
         key = json.dumps(spec, sort_keys=True)
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-        else:
-            try:
-                compiled = self._compiler_now().compile_grammar(_grammar(spec))
-            except ValueError:
-                raise
-            except Exception as e:
-                (kind, _), = spec.items()
-                raise ValueError(
-                    f"structured_outputs {kind} cannot be used: {_first_line(e)}"
-                ) from None
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        try:
+            compiled = self._compiler_now().compile_grammar(_grammar(spec))
+        except ValueError:
+            raise
+        except Exception as e:
+            (kind, _), = spec.items()
+            raise ValueError(
+                f"structured_outputs {kind} cannot be used: {_first_line(e)}"
+            ) from None
+        with self._lock:
             self._compiled[key] = compiled
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def compile_async(self, spec: dict[str, Any]) -> Future | None:
+        """None when the spec's grammar is cached; else a future of `compile(spec)` on the
+        compiler thread (its exception: compile's ValueError). Once it is done the grammar is
+        cached (unless MAX_CACHED_GRAMMARS others came after it)."""
+        with self._lock:
+            if json.dumps(spec, sort_keys=True) in self._compiled:
+                return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="swaserve-grammar")
+        return self._pool.submit(self.compile, spec)
+
     def _compiler_now(self) -> Any:
         import xgrammar as xgr
 
-        if self._compiler is None:
-            tok = self._load_tokenizer()
-            if tok is None:
-                raise ValueError("structured_outputs needs the model's tokenizer; it has none")
-            info = xgr.TokenizerInfo.from_huggingface(
-                tok, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                tok = self._load_tokenizer()
+                if tok is None:
+                    raise ValueError("structured_outputs needs the model's tokenizer; it has none")
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tok, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
 
     def bitmasks(self, matcher: Any, drafts: list[int]) -> Tensor:
         """[len(drafts) + 1, W] int32 host bitmasks of the tokens the matcher allows next, then

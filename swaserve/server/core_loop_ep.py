@@ -51,8 +51,9 @@ class EPCoreLoop(CoreLoop):
         ep = core.ep
         self.send_ready()
         while True:
-            busy = core.has_unfinished() or ep.any_work
+            busy = core.has_unfinished() or ep.any_work or bool(self.compiling)
             changed = self.read_inputs(0 if busy else IDLE_POLL_MS)
+            changed = self.added_compiled() or changed
             gone = self.server_gone()
             if gone and not ep.want_stop:
                 log.warning("%s; engine core exits", gone)

@@ -4,6 +4,7 @@ The loop (message kinds in `swaserve.server.ipc`):
 
     while True:
         read every waiting message (block only when there is no work)
+        add the requests whose grammars finished compiling (on the compiler thread)
         step once if any request is unfinished
         send the step's outputs with fresh stats and the queue times of the requests it
         scheduled for the first time (also after adds/aborts while idle)
@@ -31,6 +32,7 @@ import signal
 import sys
 import time
 import traceback
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swaserve.core")
 IDLE_POLL_MS = 1000  # while idle, wake up this often to notice a vanished parent
+COMPILE_POLL_MS = 2  # while idle but for grammars compiling: how often to look at them
 
 
 def core_stats(core: EngineCore) -> dict:
@@ -116,6 +119,9 @@ class CoreLoop:
         self.parent = os.getppid()
         self.running = True
         self.queued: dict[str, Request] = {}  # added, not scheduled yet (for queue times)
+        # User requests whose grammars compile on the compiler thread (Grammars.compile_async):
+        # (their futures, their core requests), added once every future is done.
+        self.compiling: list[tuple[list[Future], list]] = []
 
     def send(self, msg: list) -> None:
         self.out.send(encode(msg))
@@ -151,7 +157,8 @@ class CoreLoop:
         self.send_ready()
         while self.running:
             busy = core.has_unfinished()
-            changed = self.read_inputs(0 if busy else IDLE_POLL_MS)
+            changed = self.read_inputs(self.poll_ms(busy))
+            changed = self.added_compiled() or changed
             if not self.running:
                 break
             gone = self.server_gone()
@@ -168,6 +175,25 @@ class CoreLoop:
                 wire = [output_to_wire(o) for o in outputs]
                 self.send([OUTPUTS, wire, core_stats(core), queue_times])
 
+    def poll_ms(self, busy: bool) -> int:
+        """How long to wait for a message: not at all while stepping, briefly while grammars
+        compile (their requests go in once done), else IDLE_POLL_MS."""
+        return 0 if busy else COMPILE_POLL_MS if self.compiling else IDLE_POLL_MS
+
+    def added_compiled(self) -> bool:
+        """Adds the requests whose grammars are now compiled, or rejects them (a grammar that
+        does not compile); True if any was."""
+        done = [e for e in self.compiling if all(f.done() for f in e[0])]
+        for entry in done:
+            self.compiling.remove(entry)
+            futures, children = entry
+            failed = next((f.exception() for f in futures if f.exception() is not None), None)
+            if failed is not None:
+                self.send([REJECT, [c[0] for c in children], str(failed)])
+            else:
+                self.add(children)
+        return bool(done)
+
     def read_inputs(self, timeout_ms: int) -> bool:
         """Handles every waiting message; waits up to timeout_ms for the first. True if any."""
         if not self.inp.poll(timeout_ms):
@@ -182,6 +208,7 @@ class CoreLoop:
                 self.add(msg[1])
             elif kind == ABORT:
                 self.core.abort_requests(msg[1])
+                self._drop_compiling(set(msg[1]))
                 for cid in msg[1]:
                     self.queued.pop(cid, None)
             elif kind == SHUTDOWN:
@@ -190,13 +217,30 @@ class CoreLoop:
             else:
                 log.error("unknown message kind %r", kind)
 
+    def _drop_compiling(self, cids: set[str]) -> None:
+        """An aborted request whose grammar still compiles is never added."""
+        for entry in list(self.compiling):
+            kept = [c for c in entry[1] if c[0] not in cids]
+            self.compiling.remove(entry)
+            if kept:
+                self.compiling.append((entry[0], kept))
+
     def add(self, children: list) -> None:
-        """Adds a user request's core requests: all of them, or none and a `reject`."""
+        """Adds a user request's core requests: all of them, or none and a `reject`. A grammar
+        not compiled yet compiles on the compiler thread first (`added_compiled` adds them
+        then), so the running requests keep stepping meanwhile."""
         from swaserve.sampling.params import SamplingParams
 
         added: list[str] = []
         try:
             parsed = [(cid, ids, SamplingParams.from_dict(p)) for cid, ids, p in children]
+            specs = {json.dumps(p.structured_outputs, sort_keys=True): p.structured_outputs
+                     for _, _, p in parsed if p.structured_outputs is not None}  # fmt: skip
+            futures = [self.core.grammars.compile_async(spec) for spec in specs.values()]
+            pending = [f for f in futures if f is not None]
+            if pending:
+                self.compiling.append((pending, children))
+                return
             for _, ids, p in parsed:
                 self.core.resolve_max_tokens(len(ids), p)
             for cid, ids, p in parsed:

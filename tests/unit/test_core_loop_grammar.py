@@ -1,0 +1,106 @@
+"""The server's core loop compiles a new grammar off the loop (Grammars.compile_async): the
+request goes in once its grammar is compiled, a grammar that fails is a reject, and a request
+aborted meanwhile is never added. The real EngineCore of the built-in chat model, with the
+loop's pipes replaced by lists."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("zmq")
+
+from swaserve.sampling.params import SamplingParams  # noqa: E402
+from swaserve.server.core_process import CoreLoop  # noqa: E402
+from swaserve.server.ipc import ABORT, REJECT, decode, encode  # noqa: E402
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.msgs: list[list] = []
+
+    def send(self, data: bytes) -> None:
+        self.msgs.append(decode(data))
+
+
+class _In:
+    def __init__(self) -> None:
+        self.queue: list[bytes] = []
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.queue)
+
+    def recv(self, flags: int = 0) -> bytes:
+        import zmq
+
+        if not self.queue:
+            raise zmq.Again()
+        return self.queue.pop(0)
+
+
+class _Pipes:
+    def __init__(self) -> None:
+        self.ctx, self.inp, self.out = None, _In(), _Out()
+
+    def link_lost(self) -> bool:
+        return False
+
+
+def _child(cid: str, engine, regex: str) -> list:
+    ids = engine.tokenizer.encode("My phone number is", add_special_tokens=True)
+    p = SamplingParams(max_tokens=12, temperature=0, structured_outputs={"regex": regex})
+    return [cid, ids, p.to_dict()]
+
+
+def _wait(loop: CoreLoop) -> None:
+    deadline = time.monotonic() + 60
+    while loop.compiling and time.monotonic() < deadline:
+        loop.added_compiled()
+        time.sleep(0.005)
+    assert not loop.compiling
+
+
+def test_new_grammar_compiles_off_the_loop(smollm_engine):
+    loop = CoreLoop(smollm_engine.core, _Pipes())
+    core = smollm_engine.core
+    loop.add([_child("g1", smollm_engine, r"\d{3}-\d{4}")])
+    assert "g1" not in core.requests and len(loop.compiling) == 1  # compiling, not added yet
+    _wait(loop)
+    assert "g1" in core.requests and core.requests["g1"].grammar is not None
+    loop.add([_child("g2", smollm_engine, r"\d{3}-\d{4}")])  # cached now: added at once
+    assert "g2" in core.requests and not loop.compiling
+    tokens: dict[str, list[int]] = {"g1": [], "g2": []}
+    while core.has_unfinished():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+    eos = set(smollm_engine.core.eos_token_ids)
+    texts = [smollm_engine.tokenizer.decode([t for t in ids if t not in eos])
+             for ids in tokens.values()]  # fmt: skip
+    assert all(re.fullmatch(r"\d{3}-\d{4}", t) for t in texts), texts
+
+
+def test_failed_compile_is_a_reject_and_abort_drops(smollm_engine, monkeypatch):
+    loop = CoreLoop(smollm_engine.core, _Pipes())
+    grammars = smollm_engine.core.grammars
+
+    def fails(spec):
+        raise ValueError("structured_outputs regex cannot be used: planted")
+
+    monkeypatch.setattr(grammars, "compile", fails)
+    loop.add([_child("bad", smollm_engine, r"x{2}y")])
+    _wait(loop)
+    assert loop.pipes.out.msgs[-1] == [REJECT, ["bad"], "structured_outputs regex cannot be "
+                                       "used: planted"]  # fmt: skip
+    assert "bad" not in smollm_engine.core.requests
+    monkeypatch.undo()
+    loop.add([_child("gone", smollm_engine, r"[a-c]{4}z")])
+    assert loop.compiling
+    loop.inp.queue.append(encode([ABORT, ["gone"]]))
+    loop.read_inputs(0)
+    assert not loop.compiling  # dropped: its compile finishing adds nothing
+    time.sleep(0.05)
+    loop.added_compiled()
+    assert "gone" not in smollm_engine.core.requests
