@@ -153,11 +153,15 @@ class Engine:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
+        """Chat completions of each conversation; `tools` (OpenAI's function tools) go to the
+        chat template, as `apply_chat_template` says. The answers are text: calls in them are
+        for the caller to read (`swaserve.server.tool_parsers`), as with vLLM's LLM.chat."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [
-            self.apply_chat_template(c, chat_template, add_generation_prompt)
+            self.apply_chat_template(c, chat_template, add_generation_prompt, tools=tools)
             for c in conversations
         ]
         # The template already holds the special tokens: encode without adding BOS again.
@@ -166,8 +170,16 @@ class Engine:
         return self._run(self._add_batch(prompts, ids, params), use_tqdm)
 
     def apply_chat_template(
-        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt=True
+        self,
+        messages: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
+        """The prompt text of `messages`. With `tools`, as the server renders a chat request's
+        tools (server/tools.py): through the template, or, for a template that never reads
+        them, in a system message (with the call format the template's own tool format
+        implies, if it implies one)."""
         tok = self._need_tokenizer()
         template = chat_template or self.config.chat_template
         if template and Path(template).is_file():
@@ -177,9 +189,18 @@ class Engine:
                 f"model {self.config.model} has no chat template; pass chat_template "
                 "(--chat-template FILE)"
             )
+        plan = None
+        if tools:
+            from swaserve.server.tools import messages_for_template, plan_tools, resolve_parser
+
+            source = template or tok.chat_template
+            parser = resolve_parser(None, source)
+            plan = plan_tools(tools, "auto" if parser else "none", None, parser)
+            messages = messages_for_template([dict(m) for m in messages], plan, source)
         return tok.apply_chat_template(
             messages, chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            tools=plan.tools if plan is not None else None,
         )
 
     def memory_stats(self) -> dict:

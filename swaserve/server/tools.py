@@ -234,12 +234,13 @@ class ToolDeltas:
 def plan_tools(
     tools: list[Any] | None, tool_choice: Any, parallel: bool | None, parser: str | None
 ) -> ToolPlan | None:
-    """The request's ToolPlan, None without tools; ToolError names a bad field."""
+    """The request's ToolPlan, None without tools; ToolError names a bad field. `tools`:
+    protocol.ToolDef models, or (offline) dicts of the same shape."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise ToolError("tool_choice needs tools", "tool_choice")
         return None
-    defs = [t.model_dump(exclude_none=True) for t in tools]
+    defs = [_tool_dict(t, i) for i, t in enumerate(tools)]
     seen: set[str] = set()
     for i, t in enumerate(defs):
         name = t["function"]["name"]
@@ -274,6 +275,19 @@ def plan_tools(
     return ToolPlan(mode, defs, named, parser, True if parallel is None else parallel)
 
 
+def _tool_dict(tool: Any, i: int) -> dict[str, Any]:
+    if not isinstance(tool, dict):
+        return tool.model_dump(exclude_none=True)
+    f = tool.get("function")
+    if tool.get("type") != "function" or not isinstance(f, dict) or not isinstance(
+            f.get("name"), str):  # fmt: skip
+        raise ToolError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}',
+                        "tools")  # fmt: skip
+    if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+        raise ToolError(f"tools[{i}].function.parameters must be a JSON schema", "tools")
+    return {"type": "function", "function": dict(f)}
+
+
 def template_reads(template: Any, word: str) -> bool:
     """Whether a chat template's source mentions `word` (a dict of templates: any of them)."""
     if isinstance(template, dict):
@@ -289,7 +303,7 @@ def tools_system_text(plan: ToolPlan) -> str:
         lines.append(f"Call {plan.named}: answer with its arguments as one JSON object.")
     elif plan.mode == "required":
         lines.append('Answer with a JSON array of calls, each {"name": ..., "parameters": {...}}.')
-    elif plan.mode == "auto":
+    elif plan.mode == "auto" and plan.parser is not None:
         lines.append("To call a tool, answer with " + _call_format(plan.parser) + "; otherwise "
                      "answer normally.")  # fmt: skip
     return "\n".join(lines)

@@ -38,6 +38,26 @@ def test_chat_smollm(smollm_engine):
     assert "Paris" in outs[0].text
 
 
+def test_chat_with_tools_offline(smollm_engine):
+    """Engine.chat(tools=...) renders the tools as the server does: SmolLM2's template never
+    reads them, so they go into a system message (no call format: its template implies none);
+    a template that reads `tools` gets them itself; a malformed tool is a ValueError."""
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    text = smollm_engine.apply_chat_template(ask, tools=[weather])
+    assert text.startswith("<|im_start|>system\nYou can call these tools") and "get_weather" in text
+    assert "<tool_call>" not in text  # no format without a parser
+    assert smollm_engine.apply_chat_template(ask) != text
+    reads = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    assert smollm_engine.apply_chat_template(ask, reads, tools=[weather]) == (
+        "[get_weather]Weather in Paris?")
+    out = smollm_engine.chat(ask, SamplingParams(max_tokens=4, temperature=0), tools=[weather])
+    assert out[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="tools"):
+        smollm_engine.apply_chat_template(ask, tools=[{"type": "function"}])
+
+
 def test_gemma_has_no_chat_template(gemma_engine):
     with pytest.raises(ValueError, match="chat template"):
         gemma_engine.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=2))
