@@ -51,7 +51,7 @@ def _structured_outputs(args: argparse.Namespace) -> dict | None:
     naming the flag: a schema that is not JSON, a regex that does not parse, ...)."""
     from swaserve.sampling.structured import check_syntax, normalise
 
-    if args.json_schema is not None:
+    if getattr(args, "json_schema", None) is not None:  # `chat` has no grammar flags
         flag, text = "--json-schema", args.json_schema
         if text.startswith("@"):
             try:
@@ -59,11 +59,11 @@ def _structured_outputs(args: argparse.Namespace) -> dict | None:
             except OSError as e:
                 raise ValueError(f"--json-schema: cannot read {text[1:]}: {e.strerror}") from None
         spec: dict | None = {"json": text}
-    elif args.json_object:
+    elif getattr(args, "json_object", False):
         flag, spec = "--json-object", {"json_object": True}
-    elif args.regex is not None:
+    elif getattr(args, "regex", None) is not None:
         flag, spec = "--regex", {"regex": args.regex}
-    elif args.choice:
+    elif getattr(args, "choice", None):
         flag, spec = "--choice", {"choice": args.choice}
     else:
         return None
@@ -114,6 +114,53 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   "(see the log above)", file=sys.stderr)
         print(out.text if len(outs) == 1 else json.dumps({"prompt": out.prompt, "text": out.text}))
     return 1 if failed else 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive chat with the model, offline: each line a user turn, the answer streamed
+    as it is generated; the conversation kept until /reset. Lines from a pipe work too (one
+    turn each, no prompt printed)."""
+    params = sampling_params(args)
+    EngineConfig(**engine_kwargs(args))  # raises on a bad engine flag, before any loading
+    from swaserve import Engine
+
+    engine = Engine(**engine_kwargs(args))
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(base)
+    tty = sys.stdin.isatty()
+    if tty:
+        print(f"swaserve chat with {args.model}: /reset starts over, /exit or Ctrl-D leaves, "
+              "Ctrl-C stops an answer.")
+    try:
+        while True:
+            try:
+                line = input("> " if tty else "").strip()
+            except EOFError:
+                break
+            if line in ("/exit", "/quit"):
+                break
+            if line == "/reset":
+                history = list(base)
+                continue
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+            pieces: list[str] = []
+            try:
+                for piece in engine.chat_stream(history, params):
+                    print(piece, end="", flush=True)
+                    pieces.append(piece)
+            except KeyboardInterrupt:
+                print(" [stopped]", end="")
+            except ValueError as e:  # the conversation outgrew the context
+                history.pop()
+                print(f"error: {e}; /reset starts over", file=sys.stderr)
+                continue
+            print()
+            history.append({"role": "assistant", "content": "".join(pieces)})
+    finally:
+        engine.shutdown()
+    return 0
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> int:
@@ -266,6 +313,20 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_sampling_args(group: Any, max_tokens: int) -> None:
+    """The sampling flags of `generate` and `chat` (read by `sampling_params`)."""
+    group.add_argument("--max-tokens", type=int, default=max_tokens,
+                       help="most tokens generated per answer (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=0.0,
+                       help="sampling temperature; 0: greedy (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="nucleus sampling mass (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=0,
+                       help="sample from the k likeliest tokens; 0: all (default: %(default)s)")
+    group.add_argument("--sampling-seed", type=int, default=None,
+                       help="seed of this run's sampling (default: none, --seed's stream)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="swaserve")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -275,16 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     gg = g.add_argument_group("generation")
     gg.add_argument("--prompt", action="append",
                     help="prompt text, repeatable (default: one prompt per line of stdin)")
-    gg.add_argument("--max-tokens", type=int, default=64,
-                    help="most tokens generated per prompt (default: %(default)s)")
-    gg.add_argument("--temperature", type=float, default=0.0,
-                    help="sampling temperature; 0: greedy (default: %(default)s)")
-    gg.add_argument("--top-p", type=float, default=1.0,
-                    help="nucleus sampling mass (default: %(default)s)")
-    gg.add_argument("--top-k", type=int, default=0,
-                    help="sample from the k likeliest tokens; 0: all (default: %(default)s)")
-    gg.add_argument("--sampling-seed", type=int, default=None,
-                    help="seed of this run's sampling (default: none, --seed's stream)")
+    _add_sampling_args(gg, max_tokens=64)
     gg.add_argument("--chat", action="store_true",
                     help="wrap each prompt in the chat template (default: off)")
     so = gg.add_mutually_exclusive_group()
@@ -298,6 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--choice", action="append", metavar="TEXT",
                     help="hold the output to one of these strings, repeatable (default: none)")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat with the model in the terminal, offline")
+    add_engine_args(c)
+    cg = c.add_argument_group("chat")
+    cg.add_argument("--system", metavar="TEXT",
+                    help="a system message opening the conversation (default: none, the "
+                         "template's own)")  # fmt: skip
+    _add_sampling_args(cg, max_tokens=256)
+    c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_server_args(add_engine_args(s), s)

@@ -7,6 +7,7 @@ import functools
 import itertools
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,46 @@ class Engine:
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         params = self._params_list(sampling_params, len(ids))
         return self._run(self._add_batch(prompts, ids, params), use_tqdm)
+
+    def chat_stream(
+        self,
+        messages: list[dict],
+        sampling_params: SamplingParams | None = None,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
+    ) -> Iterator[str]:
+        """One conversation's answer as it is generated: the text of each step's new tokens
+        (text a stop string may begin is held back until it is known). Closing the iterator
+        early (a `break`, Ctrl-C) aborts the request. One sample: n must be 1."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("chat_stream takes n = 1")
+        prompt = self.apply_chat_template(messages, chat_template, tools=tools)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        self.core.resolve_max_tokens(len(ids), params)  # a bad request fails before it is added
+        rid = str(next(self._ids))
+        cid = f"{rid}-0"
+        self.processor.add_request(rid, prompt, ids, params, [cid], stream=True)
+        self.core.add_request(cid, ids, child_params(params, 0))
+        finished = False
+        try:
+            while not finished:
+                outs, to_abort = self.processor.process(self.core.step())
+                if to_abort:
+                    self.core.abort_requests(to_abort)
+                for out in outs:
+                    finished = finished or out.finished
+                    if out.outputs and out.outputs[0].text:
+                        yield out.outputs[0].text
+                if not finished and not self.core.has_unfinished():
+                    raise RuntimeError("engine stopped with the request unfinished")
+            if self.core.has_in_flight() and not self.core.scheduler.has_unfinished():
+                self.core.step()  # the overlap's last step: only finished requests, dropped
+        finally:
+            if not finished:
+                self.core.abort_requests(self.processor.abort_request(rid))
+                if self.core.has_in_flight() and not self.core.scheduler.has_unfinished():
+                    self.core.step()  # resolves the overlap's step in flight
 
     def apply_chat_template(
         self,

@@ -61,7 +61,8 @@ def _help_sections(argv: list[str], capsys: pytest.CaptureFixture) -> dict[str, 
 
 @pytest.mark.parametrize(
     "argv, own_group",
-    [(["generate"], "generation"), (["serve"], "server"), (["bench", "offline"], "benchmark")],
+    [(["generate"], "generation"), (["chat"], "chat"), (["serve"], "server"),
+     (["bench", "offline"], "benchmark")],
 )
 def test_help_lists_every_flag_in_its_group_with_default_and_choices(
     argv: list[str], own_group: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch

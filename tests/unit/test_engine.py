@@ -226,6 +226,21 @@ def test_generate_cli(capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_chat_cli(capsys, monkeypatch):
+    """`swaserve chat` with lines piped in: each a user turn of one conversation, answered as
+    chat_stream streams it (the second turn sees the first), /reset starts over."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(
+        "What is the capital of France?\nAnd of Italy?\n/reset\n\nSay hi.\n/exit\nnot read\n"))
+    rc = cli_main(["chat", "--model", "smollm2-135m-instruct", "--device", "cpu",
+                   "--kv-cache-gb", "0.05", "--max-tokens", "12", "--system", "Be brief."])
+    assert rc == 0
+    answers = capsys.readouterr().out.splitlines()
+    assert len(answers) == 3 and "Paris" in answers[0], answers
+    assert "Rome" in answers[1], answers  # the conversation went on
+
+
 def test_generate_cli_structured_outputs(capsys, tmp_path):
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps({"type": "object", "required": ["name", "age"], "properties": {
@@ -272,3 +287,18 @@ def test_torch_attend_softcap_formula():
     s = torch.einsum("nhd,ld->nhl", q, k[:, 0])
     w = torch.softmax(torch.tanh(s / 2.0) * 2.0, dim=-1)
     assert torch.allclose(got, torch.einsum("nhl,ld->nhd", w, v[:, 0]), atol=1e-5)
+
+
+def test_chat_stream_equals_chat_and_aborts_when_closed(smollm_engine):
+    """Engine.chat_stream gives chat()'s text piece by piece; closing it early aborts the
+    request (the fixture then finds nothing unfinished and the pool consistent)."""
+    ask = [{"role": "user", "content": "Name three colours."}]
+    greedy = SamplingParams(max_tokens=24, temperature=0, stop=["\n\n"])
+    pieces = list(smollm_engine.chat_stream(ask, greedy))
+    assert len(pieces) > 3 and "".join(pieces) == smollm_engine.chat(ask, greedy)[0].text
+    stream = smollm_engine.chat_stream(ask, SamplingParams(max_tokens=200, temperature=0))
+    next(stream)
+    stream.close()
+    assert not smollm_engine.core.has_unfinished()
+    with pytest.raises(ValueError, match="n = 1"):
+        next(smollm_engine.chat_stream(ask, SamplingParams(n=2)))
