@@ -117,47 +117,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """An interactive chat with the model, offline: each line a user turn, the answer streamed
-    as it is generated; the conversation kept until /reset. Lines from a pipe work too (one
-    turn each, no prompt printed)."""
+    """A conversation in the terminal (swaserve/chat_repl.py): offline, or with --url through a
+    running server."""
+    from swaserve.chat_repl import ServerChat, repl
+
     params = sampling_params(args)
+    if args.url:
+        body: dict[str, Any] = {"max_tokens": params.max_tokens,
+                                "temperature": params.temperature, "top_p": params.top_p}
+        if params.top_k > 0:
+            body["top_k"] = params.top_k  # vLLM's extension, which swaserve's server takes
+        if params.seed is not None:
+            body["seed"] = params.seed
+        try:
+            chat = ServerChat(args.url, args.api_key, body)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        repl(chat, f"{chat.model} at {chat.base}", args.system)
+        return 0
     EngineConfig(**engine_kwargs(args))  # raises on a bad engine flag, before any loading
     from swaserve import Engine
 
     engine = Engine(**engine_kwargs(args))
-    base = [{"role": "system", "content": args.system}] if args.system else []
-    history = list(base)
-    tty = sys.stdin.isatty()
-    if tty:
-        print(f"swaserve chat with {args.model}: /reset starts over, /exit or Ctrl-D leaves, "
-              "Ctrl-C stops an answer.")
     try:
-        while True:
-            try:
-                line = input("> " if tty else "").strip()
-            except EOFError:
-                break
-            if line in ("/exit", "/quit"):
-                break
-            if line == "/reset":
-                history = list(base)
-                continue
-            if not line:
-                continue
-            history.append({"role": "user", "content": line})
-            pieces: list[str] = []
-            try:
-                for piece in engine.chat_stream(history, params):
-                    print(piece, end="", flush=True)
-                    pieces.append(piece)
-            except KeyboardInterrupt:
-                print(" [stopped]", end="")
-            except ValueError as e:  # the conversation outgrew the context
-                history.pop()
-                print(f"error: {e}; /reset starts over", file=sys.stderr)
-                continue
-            print()
-            history.append({"role": "assistant", "content": "".join(pieces)})
+        repl(lambda history: engine.chat_stream(history, params), args.model, args.system)
     finally:
         engine.shutdown()
     return 0
@@ -357,6 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     cg.add_argument("--system", metavar="TEXT",
                     help="a system message opening the conversation (default: none, the "
                          "template's own)")  # fmt: skip
+    cg.add_argument("--url", metavar="URL",
+                    help="chat through the OpenAI-compatible server there (e.g. "
+                         "http://127.0.0.1:8000) instead of loading the model here (default: "
+                         "none, offline)")  # fmt: skip
+    cg.add_argument("--api-key", default=os.environ.get("SWASERVE_API_KEY"), metavar="KEY",
+                    help="the server's key, with --url (default: $SWASERVE_API_KEY, else "
+                         "none)")  # fmt: skip
     _add_sampling_args(cg, max_tokens=256)
     c.set_defaults(func=cmd_chat)
 

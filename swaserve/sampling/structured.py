@@ -166,7 +166,7 @@ class Grammars:
             ) from None
         with self._lock:
             self._compiled[key] = compiled
-            if len(self._compiled) > MAX_CACHED_GRAMMARS:
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return compiled
 

@@ -1199,3 +1199,22 @@ def test_stream_interval_sends_tokens_in_groups(tiny_server_factory):
     from swaserve.cli import main as cli_main
 
     assert cli_main(["serve", "--stream-interval", "0"]) == 2  # refused before anything starts
+
+
+def test_chat_cli_through_the_server(server):
+    """`swaserve chat --url` streams each answer from the server and keeps the conversation;
+    a wrong key is an error naming the status."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "swaserve.cli", "chat", "--url", server.url, "--max-tokens",
+           "12", "--system", "Be brief."]  # fmt: skip
+    r = subprocess.run([*cmd, "--api-key", API_KEY], capture_output=True, text=True, timeout=120,
+                       input="What is the capital of France?\nAnd of Italy?\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and "Paris" in lines[0] and "Rome" in lines[1], lines
+    if server.api_key:
+        r = subprocess.run([*cmd, "--api-key", "wrong"], capture_output=True, text=True,
+                           timeout=120, input="Hi\n")  # fmt: skip
+        assert r.returncode == 1 and "401" in r.stderr, r.stderr

@@ -194,7 +194,9 @@ def test_compiled_grammars_are_a_bounded_lru(smollm_engine, monkeypatch):
     import swaserve.sampling.structured as structured
 
     monkeypatch.setattr(structured, "MAX_CACHED_GRAMMARS", 3)
-    grammars = smollm_engine.core.grammars
+    shared = smollm_engine.core.grammars  # a fresh cache: other tests filled the engine's
+    grammars = structured.Grammars(shared._load_tokenizer, shared.vocab_size,
+                                   shared.stop_token_ids)  # fmt: skip
     specs = [normalise({"regex": f"x{i}"}) for i in range(4)]
     first = [grammars.compile(s) for s in specs[:3]]
     assert grammars.compile(specs[0]) is first[0]  # specs[0] is now the most recent
