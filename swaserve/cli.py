@@ -200,6 +200,11 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
         "the chat template's own tool calls use, if it has any (default: %(default)s)",
     )
     g.add_argument(
+        "--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+        help="split a thinking model's answers into reasoning_content (its <think> part) and "
+        "content (default: none, answers whole)",
+    )
+    g.add_argument(
         "--enable-auto-tool-choice", action="store_true",
         help="vLLM's flag: tool_choice 'auto' must work, so starting fails when no tool-call "
         "parser is given or implied by the chat template (default: 'auto' works where one is)",
@@ -237,6 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         playground=not args.disable_playground, stream_interval=args.stream_interval,
         startup_timeout=args.startup_timeout, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
     config = EngineConfig(**engine_kwargs(args))
     if config.disaggregation_mode:  # a missing transfer library fails now, not after loading

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import inspect
 import json
 import logging
 import time
@@ -52,6 +53,7 @@ from swaserve.server.dp_client import DPClient
 from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestFailed
 from swaserve.server.metrics import CONTENT_TYPE, Metrics
 from swaserve.server.metrics_dp import RankedMetrics
+from swaserve.server.reasoning import ReasoningStream, get_reasoning_parser
 from swaserve.server.tools import ToolDeltas, ToolError, ToolPlan, messages_for_template, plan_tools
 from swaserve.speculative.metrics import merge_spec
 
@@ -94,6 +96,8 @@ class ServerState:
     # The tool-call parser of tool_choice "auto" (server/tools.py): --tool-call-parser, or the
     # one the chat template implies; None: "auto" is a 400.
     tool_parser: str | None = None
+    # --reasoning-parser (server/reasoning.py): answers split into reasoning_content and content
+    reasoning_parser: str | None = None
     # Tokenizing and chat templates run here, not on the event loop: a long prompt would stall
     # every other request's streaming. One thread: requests tokenized in arrival order, and
     # the tokenizer never used from two threads at once.
@@ -766,6 +770,12 @@ def _render_chat(
         raise bad("messages must not be empty", "messages")
     add_gen = True if body.add_generation_prompt is None else body.add_generation_prompt
     messages = messages_for_template([m.to_template() for m in body.messages], plan, template)
+    extra = body.chat_template_kwargs or {}
+    own = set(inspect.signature(tok.apply_chat_template).parameters) | {"messages"}
+    clash = sorted(own & set(extra))
+    if clash:
+        raise bad(f"chat_template_kwargs must not set {clash}: the request's own fields do",
+                  "chat_template_kwargs")  # fmt: skip
     try:
         return tok.apply_chat_template(
             messages,
@@ -773,6 +783,7 @@ def _render_chat(
             chat_template=template,
             tokenize=False,
             add_generation_prompt=add_gen,
+            **extra,
         )
     except Exception as e:  # template errors depend on the user's messages: a 400
         raise bad(f"the chat template failed on these messages: {e}", "messages") from None
@@ -846,6 +857,9 @@ class _ChatView:
         self.state, self.body, self.params = state, body, params
         self.prompt_ids, self.id, self.created = prompt_ids, rid, created
         self.plan = plan  # the request's tools: the output's calls are read by it
+        # --reasoning-parser: each answer's reasoning goes to reasoning_content
+        self.reasoning = (get_reasoning_parser(state.reasoning_parser)
+                          if state.reasoning_parser else None)  # fmt: skip
         self.text = P.TokenText(state.tokenizer)
         self.token_ids = bool(body.return_token_ids)
 
@@ -858,9 +872,12 @@ class _ChatView:
         choices = []
         for co in ro.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": co.text}
-            reason = co.finish_reason
+            reason, text = co.finish_reason, co.text
+            if self.reasoning is not None:  # the content is what follows the reasoning
+                message["reasoning_content"], message["content"] = self.reasoning.split(text)
+                text = message["content"] or ""
             if self.plan is not None:
-                message["content"], calls = self.plan.output(co.text)
+                message["content"], calls = self.plan.output(text)
                 if calls:
                     message["tool_calls"] = calls
                 reason = self.plan.finish_reason(reason, bool(calls))
@@ -916,6 +933,7 @@ class _ChatView:
         completion_tokens, cached = 0, 0
         spec: list[dict] = []
         tools: dict[int, ToolDeltas] = {}  # per choice, with a ToolPlan
+        thinking: dict[int, ReasoningStream] = {}  # per choice, with a reasoning parser
         async for ev in events:
             if isinstance(ev, dict):
                 yield _sse(ev)
@@ -927,12 +945,21 @@ class _ChatView:
             choices = []
             for co in ro.outputs:
                 completion_tokens += len(co.token_ids)
-                delta: dict[str, Any] = {"content": co.text} if co.text else {}
-                reason = co.finish_reason
+                delta: dict[str, Any] = {}
+                reason, text = co.finish_reason, co.text
+                if self.reasoning is not None:
+                    rs = thinking.setdefault(co.index, self.reasoning.stream())
+                    pieces = rs.feed(text) + (rs.finish() if reason else [])
+                    thought = "".join(t for kind, t in pieces if kind == "reasoning")
+                    if thought:
+                        delta["reasoning_content"] = thought
+                    text = "".join(t for kind, t in pieces if kind == "content")
                 if self.plan is not None:
                     td = tools.setdefault(co.index, self.plan.stream())
-                    delta = _merged(td.feed(co.text) + (td.finish() if reason else []))
+                    delta.update(_merged(td.feed(text) + (td.finish() if reason else [])))
                     reason = self.plan.finish_reason(reason, td.called)
+                elif text:
+                    delta["content"] = text
                 if not (delta or reason or co.logprobs or (self.token_ids and co.token_ids)):
                     continue  # tokens whose text is held back (a stop string may start there)
                 c: dict[str, Any] = {

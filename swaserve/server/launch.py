@@ -89,6 +89,7 @@ class ServerArgs:
     startup_timeout: float = READY_TIMEOUT_S  # seconds until every engine core is ready
     tool_call_parser: str = "auto"  # tool_choice "auto" (server/tools.py); auto: the template's
     enable_auto_tool_choice: bool = False  # vLLM's flag: no parser is then an error at start
+    reasoning_parser: str | None = None  # server/reasoning.py; None: answers whole
 
 
 def _tool_parser(args: ServerArgs, tokenizer: Any, chat_template: str | None) -> str | None:
@@ -346,6 +347,7 @@ async def _main(
             playground=args.playground,
             disaggregation=info.get("disaggregation"),
             tool_parser=tool_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         server = _server_class()(
             uvicorn.Config(

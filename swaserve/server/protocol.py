@@ -261,6 +261,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDef] | None = Field(default=None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -280,6 +282,7 @@ class TokenizeRequest(_TextRequest):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None  # rendered by the chat template, as for chat requests
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = None

@@ -212,6 +212,8 @@ def server(tmp_path_factory):
         "4",
         "--tool-call-parser",  # SmolLM2's template has no tool format: tool_choice "auto" reads
         "hermes",  # <tool_call> blocks (test_tools_server.py)
+        "--reasoning-parser",  # answers that open with <think> (none of SmolLM2's own do)
+        "qwen3",
         "--log-level",
         "info",
     ]

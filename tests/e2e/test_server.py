@@ -1218,3 +1218,23 @@ def test_chat_cli_through_the_server(server):
         r = subprocess.run([*cmd, "--api-key", "wrong"], capture_output=True, text=True,
                            timeout=120, input="Hi\n")  # fmt: skip
         assert r.returncode == 1 and "401" in r.stderr, r.stderr
+
+
+def test_reasoning_content(client):
+    """--reasoning-parser qwen3 (the session server's): an answer that opens with <think> has
+    its reasoning in reasoning_content and the rest in content, streamed or not (a choice
+    grammar makes SmolLM2 think); other answers stay whole content."""
+    answer = "<think>France's capital is Paris.</think>\n\nParis"
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}],
+              max_tokens=30, temperature=0)  # fmt: skip
+    forced = {"structured_outputs": {"choice": [answer]}}
+    msg = client.chat.completions.create(extra_body=forced, **kw).choices[0].message
+    assert msg.reasoning_content == "France's capital is Paris." and msg.content == "Paris"
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(extra_body=forced, stream=True, **kw):
+        for ch in chunk.choices:
+            reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+            content += ch.delta.content or ""
+    assert (reasoning, content) == ("France's capital is Paris.", "Paris")
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert msg.reasoning_content is None and msg.content
