@@ -817,10 +817,10 @@ def _tool_plan(
                 "tool_choice",
             )
         try:
-            check_syntax(grammar)
+            params = replace(params, structured_outputs=grammar)  # normalised there
+            check_syntax(params.structured_outputs)
         except ValueError as e:
             raise bad(f"tools: {e}", "tools") from None
-        params = replace(params, structured_outputs=grammar)
     if plan.mode == "auto" and plan.parser == "mistral" and body.skip_special_tokens is None:
         params = replace(params, skip_special_tokens=False)  # [TOOL_CALLS] is a control token
     return plan, params
