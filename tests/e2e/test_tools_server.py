@@ -164,6 +164,9 @@ def test_tools_reach_the_prompt_and_calls_go_back(server):
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {  # xgrammar refuses
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}, "tools"),
 ])  # fmt: skip
 def test_bad_tool_requests_are_400s(server, body, param):
     h = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
