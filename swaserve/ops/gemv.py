@@ -57,6 +57,7 @@ MAX_DOT_ROWS = 16
 # by default (`swaserve.ops.gemv_rows`), with ROW_TILES past MAX_ROWS: on smollm2-135m (576) the
 # verify graph of a speculative step went 1.23-1.29 -> 1.05-1.08 ms (8 rows) and 1.14-1.17 ->
 # 0.97-1.00 (5 rows); on Llama-8B's shapes (4096) cuBLAS wins past two rows (H200, 2026-12-05).
+# Nothing between was timed: 1024 (Qwen3-0.6B's width) is a guess on the side of the win.
 SMALL_HIDDEN = 1024
 SMALL_MODEL_ROWS = 8
 
