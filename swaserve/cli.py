@@ -195,7 +195,8 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=16,
                    help="most samples (n) per request (default: %(default)s)")
     g.add_argument(
-        "--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+        "--tool-call-parser", default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral", "pythonic"],
         help="how tool_choice 'auto' finds tool calls in the model's answers; auto: the format "
         "the chat template's own tool calls use, if it has any (default: %(default)s)",
     )

@@ -248,7 +248,7 @@ class ChatMessage(_Strict):
 def _json_or_text(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 

@@ -12,6 +12,10 @@ output formats of common model families. One parser per format:
   objects (one bare object is taken as an array of one); there may be several `[TOOL_CALLS]`
   markers, each followed by its own array. (The newer `[TOOL_CALLS]name[ARGS]{...}` form is not
   read: such output stays content.)
+- `pythonic` (Llama 3.2 and 4, ToolACE, Olmo 3): the whole output (Llama 4's
+  `<|python_start|>` ... `<|python_end|>` around it allowed) is a Python list of calls with
+  keyword arguments of literal values, `[get_weather(city="Paris"), get_time(zone="CET")]`;
+  read with `ast` (never evaluated), JSON's true/false/null taken too.
 
 A call is valid when its JSON parses to an object whose "name" is a string in `tool_names` and
 whose arguments ("arguments", else "parameters"; absent means `{}`) are a JSON object or a JSON
@@ -27,9 +31,10 @@ What is content, and what an invalid call does:
   name, arguments not an object) stays in the content as its raw text, tags included. The
   content is the concatenation of every piece that is not a valid block (the text before, between
   and after blocks, and the invalid blocks), stripped.
-- `llama3_json` and `mistral` are all or nothing: one invalid call (or anything else after the
-  first `[TOOL_CALLS]` that is not a JSON array of calls, for mistral) makes the whole output
-  content. For mistral the content beside calls is the text before the first `[TOOL_CALLS]`.
+- `llama3_json`, `pythonic` and `mistral` are all or nothing: one invalid call (or anything
+  else after the first `[TOOL_CALLS]` that is not a JSON array of calls, for mistral) makes the
+  whole output content. For mistral the content beside calls is the text before the first
+  `[TOOL_CALLS]`.
 
 Streaming (`ToolParser.stream()`): `feed(delta)` returns the events certain so far, in order, and
 `finish()` the rest; an event is a piece of content text or one complete `ParsedCall`, never
@@ -49,7 +54,9 @@ streamed content never ends in whitespace then). No str event is empty.
 
 from __future__ import annotations
 
+import ast
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -68,7 +75,11 @@ Event = str | ParsedCall
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's pythonic calls
 MISTRAL_MARKER = "[TOOL_CALLS]"
+# What reading a model's JSON (or Python literal) may raise: nesting deep enough to overflow the
+# parser's recursion is the model's text too, not a server error.
+_BAD_JSON = (ValueError, RecursionError, MemoryError)
 
 
 def _to_call(obj: Any, tool_names: frozenset[str]) -> ParsedCall | None:
@@ -85,7 +96,7 @@ def _to_call(obj: Any, tool_names: frozenset[str]) -> ParsedCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except _BAD_JSON:
             return None
     if not isinstance(args, dict):
         return None
@@ -180,7 +191,7 @@ class ToolParser:
 def _hermes_call(body: str, tool_names: frozenset[str]) -> ParsedCall | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except _BAD_JSON:
         return None
     return _to_call(obj, tool_names)
 
@@ -281,7 +292,7 @@ def _llama3_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | N
             return calls
         try:
             obj, pos = decoder.raw_decode(s, pos)
-        except ValueError:
+        except _BAD_JSON:
             return None
         call = _to_call(obj, tool_names)
         if call is None:
@@ -308,13 +319,23 @@ class Llama3JsonParser(ToolParser):
         return None, calls
 
     def stream(self) -> ToolStream:
-        return _Llama3Stream(self.tool_names)
+        return _WholeStream(self.tool_names, ("{", PYTHON_TAG), _llama3_calls)
 
 
-class _Llama3Stream(ToolStream):
-    def __init__(self, tool_names: frozenset[str]) -> None:
+class _WholeStream(ToolStream):
+    """A format whose calls are the whole output (llama3_json, pythonic): once the output (after
+    whitespace) starts with one of `starts`, everything waits for finish() and is then calls
+    (`calls_of` the text) or, failing that, content; any other start streams as content."""
+
+    def __init__(
+        self,
+        tool_names: frozenset[str],
+        starts: tuple[str, ...],
+        calls_of: Callable[[str, frozenset[str]], list[ParsedCall] | None],
+    ) -> None:
         super().__init__(tool_names)
-        self._mode = ""  # "" undecided, "text": plain content, "json": maybe calls, buffered
+        self._starts, self._calls_of = starts, calls_of
+        self._mode = ""  # "" undecided, "text": plain content, "calls": maybe calls, buffered
         self._chunks: list[str] = []
 
     def _feed(self, delta: str, events: list[Event]) -> None:
@@ -322,15 +343,15 @@ class _Llama3Stream(ToolStream):
             events.append(delta)
             return
         self._chunks.append(delta)
-        if self._mode == "json":
+        if self._mode == "calls":
             return
         head = "".join(self._chunks)
         self._chunks = [head]
         s = head.lstrip()
-        if not s or PYTHON_TAG.startswith(s):
-            return  # whitespace, or maybe the start of <|python_tag|>: not yet known
-        if s.startswith("{") or s.startswith(PYTHON_TAG):
-            self._mode = "json"
+        if not s or any(t.startswith(s) for t in self._starts):
+            return  # whitespace, or maybe the start of a tag: not yet known
+        if any(s.startswith(t) for t in self._starts):
+            self._mode = "calls"
         else:
             self._mode = "text"
             self._chunks = []
@@ -339,13 +360,73 @@ class _Llama3Stream(ToolStream):
     def _finish(self, events: list[Event]) -> None:
         text = "".join(self._chunks)
         self._chunks = []
-        calls = _llama3_calls(text, self._tool_names) if self._mode == "json" else None
+        calls = self._calls_of(text, self._tool_names) if self._mode == "calls" else None
         if calls is None:
             if text:
                 events.append(text)
         else:
             for call in calls:
                 self._call(events, call)
+
+
+# --- pythonic --------------------------------------------------------------------------------
+
+
+def _literal(node: ast.expr) -> Any:
+    """A Python literal's value (JSON's true, false and null read as Python's too)."""
+    if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def _pythonic_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | None:
+    """The calls when the whole of `text` (a Llama 4 `<|python_start|>` ... `<|python_end|>`
+    around it allowed) is a Python list of calls with keyword arguments of literal values:
+    `[get_weather(city="Paris", days=2), get_time(zone="CET")]`; else None."""
+    s = text.strip()
+    if s.startswith(PYTHON_START):
+        s = s[len(PYTHON_START):].removesuffix(PYTHON_END).strip()
+    try:
+        tree = ast.parse(s, mode="eval").body
+    except (SyntaxError, *_BAD_JSON):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls: list[ParsedCall] = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg is not None for k in node.keywords)):  # fmt: skip
+            return None
+        try:
+            args = {k.arg: _literal(k.value) for k in node.keywords}
+            call = _to_call({"name": node.func.id, "arguments": args}, tool_names)
+        except (TypeError, SyntaxError, *_BAD_JSON):  # not a literal, or not JSON's
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+class PythonicParser(ToolParser):
+    """The whole output a Python list of calls (Llama 3.2 and 4, ToolACE), or content."""
+
+    name = "pythonic"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        calls = _pythonic_calls(text, self.tool_names)
+        if calls is None:
+            return text, []
+        return None, calls
+
+    def stream(self) -> ToolStream:
+        return _WholeStream(self.tool_names, ("[", PYTHON_START), _pythonic_calls)
 
 
 # --- mistral ---------------------------------------------------------------------------------
@@ -358,7 +439,7 @@ def _mistral_calls(tail: str, tool_names: frozenset[str]) -> list[ParsedCall] | 
     for part in tail.split(MISTRAL_MARKER):
         try:
             obj = json.loads(part)
-        except ValueError:
+        except _BAD_JSON:
             return None
         items = obj if isinstance(obj, list) else [obj]
         if not items:
@@ -427,7 +508,7 @@ class _MistralStream(ToolStream):
 # --- registry --------------------------------------------------------------------------------
 
 PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser)
+    cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
 }
 
 
@@ -445,6 +526,8 @@ def detect_parser(chat_template: str | None) -> str | None:
     mistral (checked in that order)."""
     if not chat_template:
         return None
+    if "func_name1(" in chat_template or PYTHON_START in chat_template:  # before ipython
+        return "pythonic"
     if HERMES_OPEN in chat_template:
         return "hermes"
     if PYTHON_TAG in chat_template or "ipython" in chat_template:

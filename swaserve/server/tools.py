@@ -169,7 +169,7 @@ class _RequiredStream(ToolStream):
                 return
             try:
                 obj, end = self._dec.raw_decode(s, p)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return  # not complete yet (or never will be: then it stays unread)
             self._pos = end
             if not (isinstance(obj, dict) and obj.get("name") in self._tool_names
@@ -310,6 +310,8 @@ def tools_system_text(plan: ToolPlan) -> str:
 
 
 def _call_format(parser: str | None) -> str:
+    if parser == "pythonic":
+        return "[name(argument=value, ...), ...]"
     if parser == "hermes":
         return f'{HERMES_OPEN}{{"name": ..., "arguments": {{...}}}}{HERMES_CLOSE}'
     if parser == "mistral":
@@ -319,19 +321,32 @@ def _call_format(parser: str | None) -> str:
 
 def calls_as_text(calls: list[dict[str, Any]], parser: str | None) -> str:
     """Earlier turns' calls written in the parser's format (for a template that does not read
-    `tool_calls`)."""
-    parts = []
+    `tool_calls`), so that the parser would read them back: one list for pythonic, `;` between
+    llama3_json's, a block each for hermes (the default) and one array for mistral."""
+    bodies, pythonic = [], []
     for c in calls:
         f = c["function"]
-        args = f["arguments"] if isinstance(f["arguments"], str) else json.dumps(f["arguments"])
-        body = f'{{"name": {json.dumps(f["name"])}, "arguments": {args}}}'
-        if parser == "mistral":
-            parts.append(f"{MISTRAL_MARKER}[{body}]")
-        elif parser in ("llama3_json",):
-            parts.append(body)
-        else:
-            parts.append(f"{HERMES_OPEN}{body}{HERMES_CLOSE}")
-    return "\n".join(parts)
+        args = _arguments(f["arguments"])
+        bodies.append(f'{{"name": {json.dumps(f["name"])}, "arguments": {json.dumps(args)}}}')
+        pythonic.append(f"{f['name']}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items())
+                        + ")")  # fmt: skip
+    if parser == "pythonic":  # JSON's literals are the pythonic parser's too
+        return "[" + ", ".join(pythonic) + "]"
+    if parser == "mistral":
+        return f"{MISTRAL_MARKER}[" + ", ".join(bodies) + "]"
+    if parser == "llama3_json":
+        return "; ".join(bodies)
+    return "\n".join(f"{HERMES_OPEN}{b}{HERMES_CLOSE}" for b in bodies)
+
+
+def _arguments(arguments: Any) -> dict[str, Any]:
+    """A call's arguments as an object: parsed from JSON text; {} for what is not one."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return {}
+    return arguments if isinstance(arguments, dict) else {}
 
 
 def messages_for_template(

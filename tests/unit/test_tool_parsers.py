@@ -173,8 +173,46 @@ def test_mistral_all_or_nothing(text):
 # --- registry --------------------------------------------------------------------------------
 
 
+def test_pythonic_formats():
+    p = get_parser("pythonic", TOOLS)
+    assert p.parse('[get_weather(city="Paris")]') == (None, [W])
+    assert p.parse(" [get_weather(city='Paris'), search(q='x', n=3)]\n") == (None, [W, S])
+    assert p.parse('<|python_start|>[search(q="x", n=3)]<|python_end|>') == (None, [S])
+    # JSON's literals read too (Olmo 3 writes them), nested values become JSON
+    got = p.parse('[search(q=None, n=true, f=[1, {"a": False}])]')
+    assert got == (None, [ParsedCall("search", '{"q": null, "n": true, "f": [1, {"a": false}]}')])
+    assert p.parse("[search()]") == (None, [ParsedCall("search", "{}")])
+
+
+@pytest.mark.parametrize("text", [
+    "[get_weather('Paris')]",  # a positional argument
+    "[get_weather(city=city)]",  # not a literal
+    "[nope(city='Paris')]",  # not a tool
+    "[get_weather(city='Paris')] and more",
+    "[get_weather(**kw)]",
+    "[os.system(cmd='ls')]",  # an attribute, not a name
+    "[search(q={1, 2})]",  # a set: no JSON for it
+    "[]",
+    "get_weather(city='Paris')",  # not a list
+])  # fmt: skip
+def test_pythonic_all_or_nothing(text):
+    assert get_parser("pythonic", TOOLS).parse(text) == (text, [])
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_deep_nesting_is_content_not_an_error(name):
+    """Nesting deep enough to overflow json's or ast's recursion is the model's text: content."""
+    deep = "[" * 100_000
+    for text in (deep, '{"name": "search", "arguments": ' + deep,
+                 "<tool_call>" + deep, "[TOOL_CALLS]" + deep, "[search(q=" + deep):
+        parser = get_parser(name, TOOLS)
+        assert parser.parse(text) == (text, [])
+        stream = parser.stream()
+        assert "".join(e for e in stream.feed(text) + stream.finish()) == text
+
+
 def test_registry():
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
     for name, cls in PARSERS.items():
         p = get_parser(name, TOOLS)
         assert isinstance(p, cls) and isinstance(p, ToolParser) and p.name == name
@@ -190,6 +228,8 @@ def test_detect_parser():
     assert detect_parser("{%- if message.role == 'ipython' %}") == "llama3_json"
     assert detect_parser("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
     assert detect_parser("{{- '[TOOL_CALLS][' }}") == "mistral"
+    assert detect_parser("[func_name1(params_name1=params_value1)] ipython") == "pythonic"
+    assert detect_parser("{{- '<|python_start|>' }}") == "pythonic"
 
 
 # --- streaming -------------------------------------------------------------------------------
@@ -226,6 +266,16 @@ SAMPLES: dict[str, list[str]] = {
         "<|python_tag|>brave_search.call(query='x')",
         "<|python_tag",
         '<|python_tag|>{"name": "search", "parameters": {"q": "日本語"}}',
+    ],
+    "pythonic": [
+        "",
+        "Hello!",
+        " [1, 2] is a list",
+        "[get_weather(city='Paris')]",
+        "\n<|python_start|>[get_weather(city='Paris'), search(q='x', n=3)]<|python_end|>\n",
+        "[nope()]",
+        "<|python_st",
+        "[search(q='Zürich 🌍')]",
     ],
     "mistral": [
         "",

@@ -141,7 +141,7 @@ def test_resolve_parser():
     assert resolve_parser(None, "{{ messages }}") is None
     assert resolve_parser("mistral", None) == "mistral"
     with pytest.raises(ValueError, match="hermes"):
-        resolve_parser("pythonic", None)
+        resolve_parser("granite", None)
 
 
 def test_assistant_calls_reach_the_template_as_objects():
@@ -152,3 +152,19 @@ def test_assistant_calls_reach_the_template_as_objects():
     assert [c["function"]["arguments"] for c in t["tool_calls"]] == [{"x": 1}, "not json"]
     assert P.ChatMessage.model_validate(
         {"role": "tool", "tool_call_id": "c", "content": "5"}).to_template()["tool_call_id"] == "c"
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
+def test_earlier_calls_are_written_as_the_parser_reads_them(parser):
+    """An assistant turn's calls, written into its content for a template that does not read
+    `tool_calls`, parse back to the same calls with the server's parser."""
+    from swaserve.server.tool_parsers import get_parser
+    from swaserve.server.tools import calls_as_text
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": "a", "arguments": '{"x": 1}'}},
+             {"id": "c2", "type": "function", "function": {
+                 "name": "b", "arguments": {"s": "O'Neil \"q\"", "t": True}}}]  # fmt: skip
+    text = calls_as_text(calls, parser)
+    content, parsed = get_parser(parser, {"a", "b"}).parse(text)
+    assert content is None and [(c.name, c.arguments) for c in parsed] == [
+        ("a", '{"x": 1}'), ("b", '{"s": "O\'Neil \\"q\\"", "t": true}')]
