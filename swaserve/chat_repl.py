@@ -5,7 +5,8 @@ OpenAI-compatible server (swaserve's, or vLLM's: `/v1/models`, then streamed
 `/v1/chat/completions`), as `vllm chat --url` does. Each line read is a user turn; the
 conversation is kept until `/reset`; `/exit` or end of input leaves; Ctrl-C stops an answer
 (offline it aborts the request; through a server it closes the stream, which aborts it there).
-Lines piped in work too: one turn each, no prompt printed.
+Lines piped in work too: one turn each, no prompt printed. A server's `reasoning_content`
+(`--reasoning-parser`) is shown on stderr and left out of the conversation sent back.
 """
 
 from __future__ import annotations
@@ -87,9 +88,21 @@ class ServerChat:
                 if "error" in chunk:
                     raise ValueError(chunk["error"].get("message", str(chunk["error"])))
                 for choice in chunk.get("choices", []):
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        yield text
+                    delta = choice.get("delta") or {}
+                    thought = delta.get("reasoning_content")
+                    if thought:  # a server with --reasoning-parser: shown, not kept
+                        _show_reasoning(thought)
+                    if delta.get("content"):
+                        yield delta["content"]
+
+
+def _show_reasoning(text: str) -> None:
+    """A thinking model's reasoning, on stderr (dim on a terminal): the answers on stdout and
+    the conversation sent back hold the content alone."""
+    if sys.stderr.isatty():
+        text = f"\x1b[2m{text}\x1b[0m"
+    sys.stderr.write(text)
+    sys.stderr.flush()
 
 
 def _error_text(r: Any) -> str:
