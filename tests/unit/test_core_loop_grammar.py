@@ -63,8 +63,27 @@ def _wait(loop: CoreLoop) -> None:
     assert not loop.compiling
 
 
-def test_new_grammar_compiles_off_the_loop(smollm_engine):
-    loop = CoreLoop(smollm_engine.core, _Pipes())
+@pytest.fixture
+def loop(smollm_engine, monkeypatch):
+    """A loop on the session engine's core with a grammar cache of its own (other tests filled
+    the engine's), whose requests are gone afterwards whatever the test did."""
+    from swaserve.sampling.structured import Grammars
+
+    core = smollm_engine.core
+    g = core.grammars
+    monkeypatch.setattr(core, "grammars", Grammars(g._load_tokenizer, g.vocab_size,
+                                                   g.stop_token_ids))  # fmt: skip
+    loop = CoreLoop(core, _Pipes())
+    yield loop
+    for futures, _ in loop.compiling:
+        for f in futures:
+            f.result()
+    core.abort_requests(list(core.requests))
+    while core.has_unfinished() or core.has_in_flight():
+        core.step()
+
+
+def test_new_grammar_compiles_off_the_loop(smollm_engine, loop):
     core = smollm_engine.core
     loop.add([_child("g1", smollm_engine, r"\d{3}-\d{4}")])
     assert "g1" not in core.requests and len(loop.compiling) == 1  # compiling, not added yet
@@ -82,8 +101,7 @@ def test_new_grammar_compiles_off_the_loop(smollm_engine):
     assert all(re.fullmatch(r"\d{3}-\d{4}", t) for t in texts), texts
 
 
-def test_failed_compile_is_a_reject_and_abort_drops(smollm_engine, monkeypatch):
-    loop = CoreLoop(smollm_engine.core, _Pipes())
+def test_failed_compile_is_a_reject_and_abort_drops(smollm_engine, loop, monkeypatch):
     grammars = smollm_engine.core.grammars
 
     def fails(spec):
@@ -95,7 +113,7 @@ def test_failed_compile_is_a_reject_and_abort_drops(smollm_engine, monkeypatch):
     assert loop.pipes.out.msgs[-1] == [REJECT, ["bad"], "structured_outputs regex cannot be "
                                        "used: planted"]  # fmt: skip
     assert "bad" not in smollm_engine.core.requests
-    monkeypatch.undo()
+    monkeypatch.setattr(grammars, "compile", type(grammars).compile.__get__(grammars))
     loop.add([_child("gone", smollm_engine, r"[a-c]{4}z")])
     assert loop.compiling
     loop.inp.queue.append(encode([ABORT, ["gone"]]))
