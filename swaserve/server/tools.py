@@ -172,7 +172,8 @@ class _RequiredStream(ToolStream):
             except (ValueError, RecursionError):
                 return  # not complete yet (or never will be: then it stays unread)
             self._pos = end
-            if not (isinstance(obj, dict) and obj.get("name") in self._tool_names
+            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
+                    and obj["name"] in self._tool_names
                     and isinstance(obj.get("parameters"), dict)):  # fmt: skip
                 self._stopped = True
                 return

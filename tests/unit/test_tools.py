@@ -59,6 +59,8 @@ def test_required_is_a_grammar_of_calls_and_streams_like_the_whole(parallel):
         '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "para':  # cut by max_tokens
             [("a", '{"x": 1}')],
         "not json": [],
+        '[{"name": ["x"], "parameters": {}}]': [],  # a name that is not a string: no call
+        '[{"name": "a", "parameters": {"x": 1}}, {"name": 5}]': [("a", '{"x": 1}')],
     }  # fmt: skip
     rng = random.Random(0)
     for text, want in texts.items():
