@@ -94,6 +94,7 @@ class ServerArgs:
 
 def _tool_parser(args: ServerArgs, tokenizer: Any, chat_template: str | None) -> str | None:
     """The parser of tool_choice "auto" (server/tools.py), checked before anything loads."""
+    from swaserve.server.tool_parsers import PARSERS
     from swaserve.server.tools import resolve_parser
 
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -101,7 +102,7 @@ def _tool_parser(args: ServerArgs, tokenizer: Any, chat_template: str | None) ->
     if parser is None and args.enable_auto_tool_choice:
         raise ValueError(
             "--enable-auto-tool-choice: this model's chat template implies no tool-call format; "
-            "name one with --tool-call-parser (hermes, llama3_json, mistral)"
+            f"name one with --tool-call-parser ({', '.join(PARSERS)})"
         )
     if parser is not None:
         log.info("tool_choice 'auto' reads tool calls with the %s parser", parser)

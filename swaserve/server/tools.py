@@ -38,6 +38,7 @@ from swaserve.server.tool_parsers import (
     HERMES_CLOSE,
     HERMES_OPEN,
     MISTRAL_MARKER,
+    PARSERS,
     PYTHON_TAG,
     ParsedCall,
     ToolStream,
@@ -269,8 +270,8 @@ def plan_tools(
     if mode == "auto" and parser is None:
         raise ToolError(
             "tool_choice 'auto' needs a tool-call parser, and this model's chat template does "
-            "not imply one: start the server with --tool-call-parser (hermes, llama3_json, "
-            "mistral), or pass tool_choice 'required', 'none' or a named function",
+            f"not imply one: start the server with --tool-call-parser ({', '.join(PARSERS)}), "
+            "or pass tool_choice 'required', 'none' or a named function",
             "tool_choice",
         )
     return ToolPlan(mode, defs, named, parser, True if parallel is None else parallel)

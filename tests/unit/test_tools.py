@@ -170,3 +170,13 @@ def test_earlier_calls_are_written_as_the_parser_reads_them(parser):
     content, parsed = get_parser(parser, {"a", "b"}).parse(text)
     assert content is None and [(c.name, c.arguments) for c in parsed] == [
         ("a", '{"x": 1}'), ("b", '{"s": "O\'Neil \\"q\\"", "t": true}')]
+
+
+def test_enable_auto_tool_choice_without_a_parser_fails_at_start(capsys):
+    """vLLM's --enable-auto-tool-choice on a model whose template implies no tool format, and
+    no --tool-call-parser: a one-line error before anything loads (exit 2)."""
+    from swaserve.cli import main as cli_main
+
+    rc = cli_main(["serve", "--device", "cpu", "--port", "0", "--enable-auto-tool-choice"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--tool-call-parser (hermes, llama3_json, mistral, pythonic)" in err, err
