@@ -186,29 +186,20 @@ class Engine:
         prompt = self.apply_chat_template(messages, chat_template, tools=tools)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         self.core.resolve_max_tokens(len(ids), params)  # a bad request fails before it is added
-        rid = str(next(self._ids))
-        cid = f"{rid}-0"
-        self.processor.add_request(rid, prompt, ids, params, [cid], stream=True)
-        self.core.add_request(cid, ids, child_params(params, 0))
+        rid = self._add(prompt, ids, params, stream=True)
         finished = False
         try:
             while not finished:
-                outs, to_abort = self.processor.process(self.core.step())
-                if to_abort:
-                    self.core.abort_requests(to_abort)
-                for out in outs:
+                for out in self._step():
                     finished = finished or out.finished
                     if out.outputs and out.outputs[0].text:
                         yield out.outputs[0].text
                 if not finished and not self.core.has_unfinished():
                     raise RuntimeError("engine stopped with the request unfinished")
-            if self.core.has_in_flight() and not self.core.scheduler.has_unfinished():
-                self.core.step()  # the overlap's last step: only finished requests, dropped
         finally:
             if not finished:
                 self.core.abort_requests(self.processor.abort_request(rid))
-                if self.core.has_in_flight() and not self.core.scheduler.has_unfinished():
-                    self.core.step()  # resolves the overlap's step in flight
+            self._settle()
 
     def apply_chat_template(
         self,
@@ -315,10 +306,15 @@ class Engine:
             rids[i] = self._add(texts[i], ids[i], params[i])
         return rids
 
-    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+    def _add(
+        self, text: str | None, ids: list[int], params: SamplingParams, stream: bool = False
+    ) -> str:
+        """Adds a request (its n samples as core requests); `stream`: its outputs are deltas,
+        else only the finished one comes out."""
         rid = str(next(self._ids))
         core_ids = [f"{rid}-{i}" for i in range(params.n)]
-        self.processor.add_request(rid, text, ids, params, core_ids, final_only=True)
+        self.processor.add_request(rid, text, ids, params, core_ids, stream=stream,
+                                   final_only=not stream)  # fmt: skip
         for i, cid in enumerate(core_ids):
             self.core.add_request(cid, ids, child_params(params, i))
         return rid
@@ -332,19 +328,28 @@ class Engine:
             bar = tqdm(total=len(rids), desc="generate", unit="req", leave=False)
         try:
             while len(done) < len(rids):
-                outs, to_abort = self.processor.process(self.core.step())
-                if to_abort:
-                    self.core.abort_requests(to_abort)
-                for out in outs:
+                for out in self._step():
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
                 if not self.core.has_unfinished() and len(done) < len(rids):
                     raise RuntimeError("engine stopped with requests unfinished")
-            if self.core.has_in_flight() and not self.core.scheduler.has_unfinished():
-                self.core.step()  # the overlap's last step: only finished requests, dropped
+            self._settle()
         finally:
             if bar is not None:
                 bar.close()
         return [done[r] for r in rids]
+
+    def _step(self) -> list[RequestOutput]:
+        """One core step through the output processor; a stop string's samples are aborted."""
+        outs, to_abort = self.processor.process(self.core.step())
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outs
+
+    def _settle(self) -> None:
+        """The overlap's last step, when one is in flight and nothing else runs: it holds only
+        finished (or aborted) requests, whose outputs are dropped."""
+        if self.core.has_in_flight() and not self.core.scheduler.has_unfinished():
+            self.core.step()

@@ -23,16 +23,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from swaserve.server.tool_parsers import held_prefix
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 Piece = tuple[str, str]  # ("reasoning" | "content", text)
-
-
-def _held(text: str, tag: str) -> int:
-    """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningParser:
@@ -100,7 +94,7 @@ class ReasoningStream:
             elif state == "reasoning":
                 i = buf.find(THINK_CLOSE)
                 if i < 0:
-                    keep = len(buf) - _held(buf, THINK_CLOSE)
+                    keep = len(buf) - held_prefix(buf, THINK_CLOSE)
                     if keep:
                         out.append(("reasoning", buf[:keep]))
                     self._buf = buf[keep:]

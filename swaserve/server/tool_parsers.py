@@ -103,7 +103,7 @@ def _to_call(obj: Any, tool_names: frozenset[str]) -> ParsedCall | None:
     return ParsedCall(name, json.dumps(args, ensure_ascii=False))
 
 
-def _held_prefix(text: str, marker: str) -> int:
+def held_prefix(text: str, marker: str) -> int:
     """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:k]):
@@ -241,7 +241,7 @@ class _HermesStream(ToolStream):
             if not self._in_block:
                 i = self._buf.find(HERMES_OPEN)
                 if i < 0:
-                    keep = len(self._buf) - _held_prefix(self._buf, HERMES_OPEN)
+                    keep = len(self._buf) - held_prefix(self._buf, HERMES_OPEN)
                     self._text(events, self._buf[:keep])
                     self._buf = self._buf[keep:]
                     return
@@ -307,19 +307,6 @@ def _llama3_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] | N
         pos += 1
 
 
-class Llama3JsonParser(ToolParser):
-    """The whole output one or more `;`-separated JSON calls, or content."""
-
-    name = "llama3_json"
-
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        calls = _llama3_calls(text, self.tool_names)
-        if calls is None:
-            return text, []
-        return None, calls
-
-    def stream(self) -> ToolStream:
-        return _WholeStream(self.tool_names, ("{", PYTHON_TAG), _llama3_calls)
 
 
 class _WholeStream(ToolStream):
@@ -414,19 +401,40 @@ def _pythonic_calls(text: str, tool_names: frozenset[str]) -> list[ParsedCall] |
     return calls
 
 
-class PythonicParser(ToolParser):
-    """The whole output a Python list of calls (Llama 3.2 and 4, ToolACE), or content."""
+# --- llama3_json and pythonic: the calls are the whole output --------------------------------
 
-    name = "pythonic"
+
+class _WholeParser(ToolParser):
+    """A format whose calls are the whole output (`calls_of` it), else it is content; streamed
+    by `_WholeStream`, which buffers once the output starts with one of `starts`."""
+
+    starts: ClassVar[tuple[str, ...]] = ()
+    calls_of: ClassVar[Callable[[str, frozenset[str]], list[ParsedCall] | None]]
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        calls = _pythonic_calls(text, self.tool_names)
+        calls = type(self).calls_of(text, self.tool_names)
         if calls is None:
             return text, []
         return None, calls
 
     def stream(self) -> ToolStream:
-        return _WholeStream(self.tool_names, ("[", PYTHON_START), _pythonic_calls)
+        return _WholeStream(self.tool_names, self.starts, type(self).calls_of)
+
+
+class Llama3JsonParser(_WholeParser):
+    """The whole output one or more `;`-separated JSON calls, or content."""
+
+    name = "llama3_json"
+    starts = ("{", PYTHON_TAG)
+    calls_of = staticmethod(_llama3_calls)
+
+
+class PythonicParser(_WholeParser):
+    """The whole output a Python list of calls (Llama 3.2 and 4, ToolACE), or content."""
+
+    name = "pythonic"
+    starts = ("[", PYTHON_START)
+    calls_of = staticmethod(_pythonic_calls)
 
 
 # --- mistral ---------------------------------------------------------------------------------
@@ -483,7 +491,7 @@ class _MistralStream(ToolStream):
         self._buf += delta
         i = self._buf.find(MISTRAL_MARKER)
         if i < 0:
-            keep = len(self._buf) - _held_prefix(self._buf, MISTRAL_MARKER)
+            keep = len(self._buf) - held_prefix(self._buf, MISTRAL_MARKER)
             self._text(events, self._buf[:keep])
             self._buf = self._buf[keep:]
             return
