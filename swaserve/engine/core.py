@@ -37,6 +37,7 @@ from swaserve.models.blocks import head_dim_of, layer_windows
 from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
+from swaserve.sampling.reasoning_gate import ReasoningGate
 from swaserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow, row_argmax
 from swaserve.sampling.structured import Grammars
 from swaserve.speculative.dflash_proposer import DFlashProposer
@@ -513,7 +514,13 @@ class EngineCore:
             generator=gen,
         )
         if params.structured_outputs is not None:  # compiled by resolve_max_tokens: cached
-            req.grammar = self.grammars.matcher(params.structured_outputs)
+            matcher = self.grammars.matcher(params.structured_outputs)
+            if params.reasoning_markers is None:
+                req.grammar = matcher
+            else:
+                req.reasoning_gate = ReasoningGate(params.reasoning_markers,
+                                                   params.reasoning_started)
+                req.reasoning_gate.attach(req, matcher)
         self.requests[request_id] = req
         self._num_history_requests += _needs_history(params)
         self._num_seeded_sampling += _seeded_sampling(params)
@@ -603,6 +610,10 @@ class EngineCore:
         for req in samplers:  # structured outputs: every earlier token was read back (history)
             if req.grammar is not None:
                 req.token_bitmask = self.grammars.bitmasks(req.grammar, req.draft_token_ids)
+                if req.reasoning_gate is not None:
+                    req.reasoning_gate.allow_open(req, req.token_bitmask)
+            elif req.token_bitmask is not None:  # its reasoning began: the grammar is held
+                req.token_bitmask = None
         fill = self._device_tokens(batch)
         if self.spec is not None and self.spec.device_drafts is not None:
             # a step that drafts read the one in flight back first: never both
@@ -794,7 +805,8 @@ class EngineCore:
         outputs a token passes here once per token, in order: it also advances the request's
         grammar, whose completion ends the request."""
         p = req.params
-        if req.grammar is not None and Grammars.advance(req.grammar, token):
+        gated = req.reasoning_gate is not None and req.reasoning_gate.on_token(req, token, n_out)
+        if not gated and req.grammar is not None and Grammars.advance(req.grammar, token):
             if token in p.stop_token_ids:
                 return "stop", token
             return "stop", None

@@ -74,11 +74,12 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
 
 
 def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
-    """The token ids a request's params name (stop_token_ids, logit_bias, allowed_token_ids)
-    must be in the vocabulary; PromptError naming the field otherwise."""
+    """The token ids a request's params name (stop_token_ids, logit_bias, allowed_token_ids,
+    reasoning_markers) must be in the vocabulary; PromptError naming the field otherwise."""
     for name, ids in (("stop_token_ids", params.stop_token_ids),
                       ("logit_bias", params.logit_bias or ()),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
+                      ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("reasoning_markers", params.reasoning_markers or ())):  # fmt: skip
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise PromptError(

@@ -54,6 +54,9 @@ class Request:
     # token, then after each draft), filled before each sampling step.
     grammar: Any = None
     token_bitmask: torch.Tensor | None = None
+    # params.reasoning_markers: the reasoning block kept out of the grammar (None without);
+    # while the block runs `grammar` is None and the gate holds the matcher
+    reasoning_gate: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -302,7 +302,10 @@ class Speculation:
 
 
 def _grammar_drafts(req: Request, drafts: list[int]) -> list[int]:
-    """A structured request's drafts up to the first its grammar refuses (structured.py)."""
+    """A structured request's drafts up to the first its grammar refuses (structured.py);
+    while its reasoning runs, up to the block's end (sampling/reasoning_gate.py)."""
+    if req.reasoning_gate is not None:
+        drafts = req.reasoning_gate.drafts(drafts)
     if req.grammar is None:
         return drafts
     return Grammars.valid_prefix(req.grammar, drafts)

@@ -60,6 +60,15 @@ class SamplingParams:
     # {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": EBNF} (vLLM's
     # `structured_outputs`); the server maps OpenAI's response_format onto it.
     structured_outputs: dict[str, Any] | None = None
+    # A thinking model's reasoning block, kept out of the grammar (sampling/reasoning_gate.py;
+    # the server sets these with --reasoning-parser, as vLLM starts the grammar after the
+    # reasoning): [open, close] token ids (`<think>`, `</think>`). The grammar holds from the
+    # first token unless the output opens with `open` (which the first token's mask allows),
+    # then from the token after `close`. `reasoning_started`: the prompt opened the block
+    # (DeepSeek-R1's template), so the grammar waits for `close` from the start. Without
+    # structured_outputs they change nothing.
+    reasoning_markers: list[int] | None = None
+    reasoning_started: bool = False
     # False: token ids only, no text (as vLLM's): saves the incremental detokenization's host
     # work per token (train-drafter's answers, benchmarks); stop strings then cannot be found
     detokenize: bool = True
@@ -102,8 +111,16 @@ class SamplingParams:
                 )
             self.allowed_token_ids = sorted(set(ids))
         self.structured_outputs = normalise_structured(self.structured_outputs)
+        if self.reasoning_markers is not None:
+            m = self.reasoning_markers
+            if not (isinstance(m, (list, tuple)) and len(m) == 2
+                    and all(_is_int(t) and 0 <= t < 2**63 for t in m) and m[0] != m[1]):
+                raise ValueError(
+                    f"reasoning_markers must be two different token ids [open, close], got {m!r}"
+                )
+            self.reasoning_markers = list(m)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                     "detokenize"):
+                     "detokenize", "reasoning_started"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:

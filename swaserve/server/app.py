@@ -53,7 +53,7 @@ from swaserve.server.dp_client import DPClient
 from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestFailed
 from swaserve.server.metrics import CONTENT_TYPE, Metrics
 from swaserve.server.metrics_dp import RankedMetrics
-from swaserve.server.reasoning import ReasoningStream, get_reasoning_parser
+from swaserve.server.reasoning import ReasoningStream, get_reasoning_parser, grammar_markers
 from swaserve.server.tools import ToolDeltas, ToolError, ToolPlan, messages_for_template, plan_tools
 from swaserve.speculative.metrics import merge_spec
 
@@ -830,6 +830,11 @@ async def _chat(state: ServerState, body: P.ChatCompletionRequest, raw: Request)
     params = _params(state, body)
     plan, params = _tool_plan(state, body, params)
     prompt, ids = await _off_loop(state, _chat_prompt, state, body, plan)
+    if state.reasoning_parser and params.structured_outputs is not None:
+        # the grammar holds the content, after the reasoning (server/reasoning.py)
+        markers, started = grammar_markers(get_reasoning_parser(state.reasoning_parser),
+                                           prompt, state.tokenizer)  # fmt: skip
+        params = replace(params, reasoning_markers=markers, reasoning_started=started)
     _check_prompt(state, ids, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

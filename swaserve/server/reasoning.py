@@ -9,6 +9,10 @@ its reasoning, returned as `reasoning_content`, and its content.
   prompt): the answer is reasoning from its start (a leading `<think>` dropped) up to
   `</think>`, the rest content; with no `</think>` (cut by max_tokens) all of it is reasoning.
 
+Structured outputs (`response_format`, a required or named tool call) hold the content only
+(`grammar_markers`, sampling/reasoning_gate.py): the grammar starts after `</think>`, as vLLM's
+does with a reasoning parser.
+
 Content after `</think>` loses its leading newlines (the templates put "\\n\\n" there). Reasoning
 unfinished when generation stops is reasoning. A tool-call parser (server/tools.py) then reads
 the content only.
@@ -21,7 +25,7 @@ until it is known. For every split of an answer into deltas, the pieces joined p
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from swaserve.server.tool_parsers import held_prefix
 
@@ -52,6 +56,23 @@ class Qwen3Parser(ReasoningParser):
 class DeepSeekR1Parser(ReasoningParser):
     name = "deepseek_r1"
     starts_thinking = True
+
+
+def grammar_markers(
+    parser: ReasoningParser, prompt: str, tokenizer: Any
+) -> tuple[list[int] | None, bool]:
+    """A structured request's (`reasoning_markers`, `reasoning_started`) (SamplingParams): the
+    token ids of `<think>` and `</think>`, and whether the prompt opened the block. None (the
+    grammar from the first token) when the tokenizer has no single token for each marker (not
+    a thinking model) or when the prompt ends with a closed block (Qwen3 with
+    `enable_thinking: false`: the answer comes at once)."""
+    ids = [tokenizer.encode(m, add_special_tokens=False) for m in (THINK_OPEN, THINK_CLOSE)]
+    if any(len(i) != 1 for i in ids):
+        return None, False
+    tail = prompt.rstrip()  # only a marker at the very end counts: earlier turns may hold both
+    if tail.endswith(THINK_CLOSE):
+        return None, False
+    return [ids[0][0], ids[1][0]], tail.endswith(THINK_OPEN) or parser.starts_thinking
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
