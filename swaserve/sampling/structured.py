@@ -1,6 +1,13 @@
 """Structured outputs: a request's tokens held to a grammar (a JSON schema, any JSON object, a
-regular expression, a choice of strings, or an EBNF grammar), through xgrammar, as vLLM and
-SGLang do.
+regular expression, a choice of strings, an EBNF grammar, or a structural tag), through
+xgrammar, as vLLM and SGLang do.
+
+A structural tag (xgrammar's `StructuralTag`) mixes free text with constrained parts, e.g.
+"anything, but once `<tool_call>` is written, a call whose arguments keep to a schema". Its
+spec value is the tag as JSON text in xgrammar's form, `{"type": "structural_tag", "format":
+{...}}`; the legacy form vLLM and SGLang still take (`structures` of {begin, schema, end} and
+`triggers`) is turned into it by `normalise` (a `triggered_tags` format, as xgrammar's own
+`StructuralTag.from_legacy_structural_tag`).
 
 One request, one `GrammarMatcher`: before each sampled token the matcher writes which tokens
 may come next as a bitmask (bit t % 32 of int32 word t // 32), the sampler sets every other
@@ -36,7 +43,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 # The spec's kinds (vLLM's `structured_outputs` names); exactly one per request.
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
 # Whitespace between JSON tokens, at most this many characters in a row: pretty-printed JSON
 # fits, and a model that would loop on newlines (Gemma 3 270M after "{" does) must go on.
@@ -50,8 +57,9 @@ MAX_CACHED_GRAMMARS = 256
 
 def normalise(spec: Any) -> dict[str, Any] | None:
     """A spec as SamplingParams keeps it: {"json": schema as JSON text} | {"json_object": True}
-    | {"regex": str} | {"choice": [str, ...]} | {"grammar": EBNF str}; None for none. Raises
-    ValueError naming `structured_outputs`."""
+    | {"regex": str} | {"choice": [str, ...]} | {"grammar": EBNF str} | {"structural_tag":
+    xgrammar's form as JSON text (`structural_tag`)}; None for none. Raises ValueError naming
+    `structured_outputs`."""
     if spec is None:
         return None
     if not isinstance(spec, dict):
@@ -78,6 +86,8 @@ def normalise(spec: Any) -> dict[str, Any] | None:
     elif kind == "json_object":
         if value is not True:
             raise ValueError(f"structured_outputs json_object must be true, got {value!r}")
+    elif kind == "structural_tag":
+        value = json.dumps(structural_tag(value))
     elif kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) and c
                                                           for c in value)):
@@ -91,6 +101,53 @@ def normalise(spec: Any) -> dict[str, Any] | None:
     return {kind: value}
 
 
+def structural_tag(value: Any) -> dict[str, Any]:
+    """A structural tag (a dict, or its JSON text) in xgrammar's form, {"type":
+    "structural_tag", "format": {...}}; the legacy form {"type": "structural_tag", "structures":
+    [{"begin", "schema", "end"}, ...], "triggers": [...]} becomes a `triggered_tags` format (text
+    until a trigger, then the tag whose `begin` it starts). Only the outer shape is checked here:
+    the format itself is xgrammar's to judge (`check_syntax`). ValueError naming
+    `structured_outputs structural_tag`."""
+    what = "structured_outputs structural_tag"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be an object, got {value!r}")
+    if value.get("type", "structural_tag") != "structural_tag":
+        raise ValueError(f'{what} type must be "structural_tag", got {value["type"]!r}')
+    keys = set(value) - {"type"}
+    if keys == {"format"}:
+        if not isinstance(value["format"], dict):
+            raise ValueError(f"{what} format must be an object, got {value['format']!r}")
+        return {"type": "structural_tag", "format": value["format"]}
+    if keys != {"structures", "triggers"}:
+        raise ValueError(f'{what} takes "format", or "structures" and "triggers" (the legacy '
+                         f"form), got {sorted(keys) or 'neither'}")  # fmt: skip
+    structures, triggers = value["structures"], value["triggers"]
+    if not (isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) and t for t in triggers)):  # fmt: skip
+        raise ValueError(f"{what} triggers must be a non-empty list of non-empty strings, got "
+                         f"{triggers!r}")  # fmt: skip
+    if not (isinstance(structures, list) and structures
+            and all(_is_structure(s) for s in structures)):  # fmt: skip
+        raise ValueError(f'{what} structures must be a non-empty list of {{"begin": str, '
+                         f'"schema": object, "end": str}}, got {structures!r}')  # fmt: skip
+    tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
+             "content": {"type": "json_schema", "json_schema": s["schema"]}}
+            for s in structures]  # fmt: skip
+    fmt = {"type": "triggered_tags", "triggers": list(triggers), "tags": tags}
+    return {"type": "structural_tag", "format": fmt}
+
+
+def _is_structure(s: Any) -> bool:
+    return (isinstance(s, dict) and set(s) == {"begin", "schema", "end"}
+            and isinstance(s["begin"], str) and s["begin"] and isinstance(s["end"], str)
+            and isinstance(s["schema"], dict))  # fmt: skip
+
+
 def _grammar(spec: dict[str, Any]) -> Any:
     """The xgrammar `Grammar` of a normalised spec (no tokenizer: syntax only)."""
     import xgrammar as xgr
@@ -102,6 +159,8 @@ def _grammar(spec: dict[str, Any]) -> Any:
         return xgr.Grammar.from_json_schema(ANY_OBJECT, max_whitespace_cnt=MAX_JSON_WHITESPACE)
     if kind == "regex":
         return xgr.Grammar.from_regex(value)
+    if kind == "structural_tag":
+        return xgr.Grammar.from_structural_tag(value)
     if kind == "choice":
         literals = (json.dumps(c, ensure_ascii=False) for c in value)  # EBNF takes C escapes
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(literals))

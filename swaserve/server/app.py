@@ -801,7 +801,8 @@ def _tool_plan(
     state: ServerState, body: P.ChatCompletionRequest, params: SamplingParams
 ) -> tuple[ToolPlan | None, SamplingParams]:
     """The request's tools (server/tools.py) and the params they change: the grammar of a
-    required or named call; special tokens kept for a parser whose marker is one."""
+    required or named call, or of "auto" calls with strict tools; special tokens kept for a
+    parser whose marker is one."""
     try:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
     except ToolError as e:
@@ -810,6 +811,12 @@ def _tool_plan(
         return None, params
     grammar = plan.structured_outputs()
     if grammar is not None:
+        if params.structured_outputs is not None and plan.mode == "auto":
+            raise bad(
+                "strict tools under tool_choice 'auto' hold the calls to the tools' schemas by "
+                "a grammar: give no response_format or structured_outputs with them",
+                "tools",
+            )
         if params.structured_outputs is not None:
             raise bad(
                 "tool_choice 'required' or a named function holds the output to the tools' "

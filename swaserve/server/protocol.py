@@ -45,18 +45,48 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None  # schemas are always enforced
 
 
+class TagStructure(_Strict):
+    """One structure of a legacy structural tag (vLLM's and SGLang's): once the output writes
+    `begin`, a JSON value of `schema`, then `end`."""
+
+    begin: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: str
+
+
 class ResponseFormat(_Strict):
     """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object),
-    "json_schema" (the given schema); held by a grammar (sampling/structured.py)."""
+    "json_schema" (the given schema), or vLLM's and SGLang's "structural_tag", in xgrammar's
+    form (`format`) or the legacy one (`structures` and `triggers`); held by a grammar
+    (sampling/structured.py)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None  # structural_tag
+    structures: list[TagStructure] | None = None  # structural_tag, legacy
+    triggers: list[str] | None = None  # structural_tag, legacy
 
     def structured_outputs(self) -> dict[str, Any] | None:
+        tag_fields = [f for f in ("format", "structures", "triggers")
+                      if getattr(self, f) is not None]  # fmt: skip
+        if tag_fields and self.type != "structural_tag":
+            raise ValueError(f"response_format {tag_fields[0]} is only for type structural_tag")
         if self.type == "text":
             return None
         if self.type == "json_object":
             return {"json_object": True}
+        if self.type == "structural_tag":
+            if self.json_schema is not None:
+                raise ValueError("response_format json_schema is not for type structural_tag")
+            tag: dict[str, Any] = {"type": "structural_tag"}
+            if self.format is not None:
+                tag["format"] = self.format
+            if self.structures is not None:
+                tag["structures"] = [{"begin": s.begin, "schema": s.schema_, "end": s.end}
+                                     for s in self.structures]  # fmt: skip
+            if self.triggers is not None:
+                tag["triggers"] = self.triggers
+            return {"structural_tag": tag}  # its shape is checked there
         if self.json_schema is None or self.json_schema.schema_ is None:
             raise ValueError("response_format json_schema needs json_schema.schema")
         return {"json": self.json_schema.schema_}
@@ -188,7 +218,9 @@ class FunctionDef(_Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the arguments are held to the schema when a grammar runs
+    # the arguments are held to the schema whenever a grammar runs; under tool_choice "auto"
+    # one strict tool asks for that grammar (server/tools.py)
+    strict: bool | None = None
 
 
 class ToolDef(_Strict):

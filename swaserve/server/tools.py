@@ -14,6 +14,13 @@ How each `tool_choice` is served (vLLM's behaviour, which follows OpenAI's):
   the chat template's own format implies) finds calls in it. finish_reason "tool_calls" when
   one was found. Without a parser, "auto" is a 400 naming the flag: tools are never silently
   ignored.
+- `"auto"` with a `strict` tool (OpenAI's `function.strict: true`, served as SGLang does): a
+  structural tag (`auto_tool_tag`) still lets the model write free text, but once it opens a
+  call in the parser's format, the call must name a tool and its arguments keep to that tool's
+  `parameters` schema: every tool's, strict or not (one strict tool constrains them all, as in
+  SGLang; a call of a non-strict tool would otherwise be the only unchecked one). One call at
+  most with `parallel_tool_calls` false. The pythonic format is not JSON: its calls stay
+  unconstrained.
 
 The tools reach the model through the chat template (`tools=`). A template that never reads
 `tools` (neither built-in model's does) gets them in a system message instead, with the format
@@ -34,6 +41,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from swaserve.sampling.structured import MAX_JSON_WHITESPACE
 from swaserve.server.tool_parsers import (
     HERMES_CLOSE,
     HERMES_OPEN,
@@ -88,6 +96,7 @@ class ToolPlan:
     named: str | None  # mode "named": the function
     parser: str | None  # mode "auto": the server's parser
     parallel: bool
+    strict: bool = False  # some tool asked for `function.strict`: "auto" calls under a grammar
 
     @property
     def names(self) -> set[str]:
@@ -100,9 +109,14 @@ class ToolPlan:
         raise KeyError(name)
 
     def structured_outputs(self) -> dict[str, Any] | None:
-        """The grammar a named or required choice runs under; None for the others."""
+        """The grammar a named or required choice runs under, or "auto" with a strict tool
+        (`auto_tool_tag`; none for the pythonic parser); None for the others."""
         if self.mode == "named":
             return {"json": self.schema(self.named or "")}
+        if self.mode == "auto" and self.strict:
+            schemas = {n: self.schema(n) for n in sorted(self.names)}
+            tag = auto_tool_tag(self.parser or "", schemas, self.parallel)
+            return None if tag is None else {"structural_tag": tag}
         if self.mode != "required":
             return None
         calls = [
@@ -256,7 +270,10 @@ def plan_tools(
         if params is not None and params.get("type", "object") != "object":
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema of an object",
                             "tools")  # fmt: skip
-        t["function"].pop("strict", None)  # every call a grammar runs is held to its schema
+    # "strict" stays out of the tools the template renders; under a grammar every call keeps to
+    # its schema anyway, and under "auto" one strict tool asks for that grammar (ToolPlan)
+    flags = [t["function"].pop("strict", None) for t in defs]  # every one popped
+    strict = any(f is True for f in flags)
     if tool_choice is None:
         tool_choice = "auto"
     named = None
@@ -274,7 +291,86 @@ def plan_tools(
             "or pass tool_choice 'required', 'none' or a named function",
             "tool_choice",
         )
-    return ToolPlan(mode, defs, named, parser, True if parallel is None else parallel)
+    return ToolPlan(mode, defs, named, parser, True if parallel is None else parallel, strict)
+
+
+# --- "auto" with strict tools: a structural tag per parser format --------------------------------
+
+
+def auto_tool_tag(
+    parser: str, schemas: dict[str, dict[str, Any]], parallel: bool
+) -> dict[str, Any] | None:
+    """The structural tag (xgrammar's form, sampling/structured.py) of tool_choice "auto" with
+    strict tools, for the parser's format: free text, and any call written in that format
+    names one of `schemas` (tool name -> its parameters schema) with arguments that keep to its
+    schema; one call at most unless `parallel`. None for a format it cannot hold (pythonic).
+
+    The invariant: whatever the tag allows, the parser reads no call whose arguments break
+    their schema (an output may be narrower than the parser takes: one spelling per call)."""
+    if parser == "hermes":
+        fmt = _hermes_format(schemas, parallel)
+    elif parser == "mistral":
+        fmt = _mistral_format(schemas, parallel)
+    elif parser == "llama3_json":
+        fmt = _llama3_format(schemas, parallel)
+    else:
+        return None
+    return {"type": "structural_tag", "format": fmt}
+
+
+def _call_tag(begin: str, schema: dict[str, Any], end: str) -> dict[str, Any]:
+    """`begin`, a JSON object of `schema` (whitespace bounded as the "json" kind's), `end`."""
+    content = {"type": "json_schema", "json_schema": schema,
+               "max_whitespace_cnt": MAX_JSON_WHITESPACE}  # fmt: skip
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def _head(name: str, key: str) -> str:
+    """A call object up to its arguments: `{"name": "f", "<key>": `."""
+    return f'{{"name": {json.dumps(name)}, "{key}": '
+
+
+def _hermes_format(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """Text; each `<tool_call>` opens `<tool_call>\n{"name": "f", "arguments": ARGS}\n</tool_call>`
+    (Qwen's spelling), text again after it. The trigger is the parser's marker: no block the
+    parser reads escapes the tag."""
+    tags = [_call_tag(f"{HERMES_OPEN}\n{_head(n, 'arguments')}", s, f"}}\n{HERMES_CLOSE}")
+            for n, s in schemas.items()]  # fmt: skip
+    return {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags,
+            "stop_after_first": not parallel}  # fmt: skip
+
+
+def _mistral_format(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """Text, then at most one `[TOOL_CALLS][{"name": "f", "arguments": ARGS}, ...]` that ends
+    the output (the parser reads every array after the first marker, so none may follow)."""
+    tags = [_call_tag(_head(n, "arguments"), s, "}") for n, s in schemas.items()]
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": ", ",
+             "at_least_one": True, "stop_after_first": not parallel}  # fmt: skip
+    block = {"type": "tag", "begin": f"{MISTRAL_MARKER}[", "content": calls, "end": "]"}
+    return {"type": "triggered_tags", "triggers": [MISTRAL_MARKER], "tags": [block],
+            "stop_after_first": True}  # fmt: skip
+
+
+# llama3_json content starts with this: its first non-space character is not "{" (the spaces
+# Python strips, as the parser does, include \x1c-\x1f and \x85, which xgrammar's \s lacks).
+# With the python tag kept out of it too, the parser reads no call in such text.
+_LLAMA3_TEXT_START = r"[ \t\n\r]*[^\s{\x1c-\x1f\x85]"
+
+
+def _llama3_format(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """The parser reads calls only when they are the whole output, so: either the whole output
+    is `[<|python_tag|>]{"name": "f", "parameters": ARGS}` (`; ` between more), or it is text
+    that does not start as a call (`_LLAMA3_TEXT_START`). Such text cannot open with "{"."""
+    tags = [_call_tag(_head(n, "parameters"), s, "}") for n, s in schemas.items()]
+    calls = {"type": "sequence", "elements": [
+        {"type": "regex", "pattern": r"[ \t\n\r]*(<\|python_tag\|>)?"},
+        {"type": "tags_with_separator", "tags": tags, "separator": "; ",
+         "at_least_one": True, "stop_after_first": not parallel}]}  # fmt: skip
+    # the tag less its "<" is excluded: that "<" may be the first character, which the regex took
+    text = {"type": "sequence", "elements": [
+        {"type": "regex", "pattern": _LLAMA3_TEXT_START},
+        {"type": "any_text", "excludes": [PYTHON_TAG[1:]]}]}  # fmt: skip
+    return {"type": "or", "elements": [calls, text]}
 
 
 def _tool_dict(tool: Any, i: int) -> dict[str, Any]:

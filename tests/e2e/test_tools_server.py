@@ -175,3 +175,30 @@ def test_bad_tool_requests_are_400s(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", headers=h, json=req, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_strict_tools_under_auto(client):
+    """A strict tool under tool_choice "auto": the model may write text, and the call it opens
+    keeps to the schema. SmolLM2, shown an earlier call with "unit": "C" (outside the enum),
+    copies it unless held; held, its call has a unit of the enum, streamed or not. With a
+    response_format too it is a 400 naming the tools."""
+    earlier = {"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Rome", "unit": "C"}'}}
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": "Let me check.", "tool_calls": [earlier]},
+                {"role": "user", "content": "Weather in Paris?"}]  # fmt: skip
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    kw = dict(model=MODEL, messages=messages, tools=[strict, TIME], temperature=0,
+              max_tokens=60)  # fmt: skip
+    ch = client.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls or []) == 1, ch
+    call = ch.message.tool_calls[0].function
+    assert call.name == "get_weather"
+    args = _args_ok("get_weather", call.arguments)
+    content, calls, reason = _streamed_calls(client.chat.completions.create(stream=True, **kw))
+    assert reason == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", args)]
+    assert content.strip() == (ch.message.content or "")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(response_format={"type": "json_object"}, **kw)
+    assert e.value.body["param"] == "tools" and "strict" in e.value.body["message"]

@@ -243,3 +243,82 @@ def test_a_bad_grammar_is_refused_before_anything_is_added(smollm_engine):
                                           SamplingParams(structured_outputs={"regex": "("})])
     out = engine.generate(["hi"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+# A structural tag: free text, and a <person> block once it is opened, in the new form and the
+# legacy one (vLLM's and SGLang's `structures` and `triggers`).
+PERSON_TAG = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<person>"],
+    "tags": [{"type": "tag", "begin": "<person>", "end": "</person>",
+              "content": {"type": "json_schema", "json_schema": PERSON}}]}}  # fmt: skip
+PERSON_LEGACY = {"type": "structural_tag", "triggers": ["<person>"],
+                 "structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}]}
+
+
+def test_structural_tag_spec_is_validated():
+    """Both forms normalise to one value (xgrammar's form as JSON text), from a dict or its text
+    and from response_format alike; a bad shape is refused by normalise, a bad format by
+    check_syntax, each naming `structured_outputs structural_tag`."""
+    from swaserve.server import protocol as P
+
+    want = {"structural_tag": json.dumps(PERSON_TAG)}
+    assert normalise({"structural_tag": PERSON_TAG}) == want
+    assert normalise({"structural_tag": json.dumps(PERSON_TAG)}) == want
+    assert normalise({"structural_tag": PERSON_LEGACY}) == want
+    assert normalise({"structural_tag": {"format": PERSON_TAG["format"]}}) == want
+    for body in (PERSON_TAG, PERSON_LEGACY):
+        rf = P.ResponseFormat.model_validate(body)
+        assert normalise(rf.structured_outputs()) == want
+    with pytest.raises(ValueError, match="format is only for type structural_tag"):
+        P.ResponseFormat.model_validate({"type": "json_object", "format": {}}).structured_outputs()
+    what = "structured_outputs structural_tag"
+    legacy = dict(PERSON_LEGACY)
+    bad = [("{oops", "is not valid JSON"), (["x"], "must be an object"),
+           ({"type": "json_schema", "format": {}}, 'type must be "structural_tag"'),
+           ({"type": "structural_tag"}, 'takes "format"'),
+           ({**PERSON_TAG, "triggers": ["<p"]}, 'takes "format"'),  # both forms at once
+           ({"format": "const_string"}, "format must be an object"),
+           ({**legacy, "triggers": []}, "triggers must be a non-empty list"),
+           ({**legacy, "triggers": "<person>"}, "triggers must be a non-empty list"),
+           ({**legacy, "structures": []}, "structures must be a non-empty list"),
+           ({**legacy, "structures": [{"begin": "<p>", "schema": "x", "end": "</p>"}]},
+            "structures must be"),
+           ({**legacy, "structures": [{"begin": "<p>", "end": "</p>"}]}, "structures must be"),
+           ]  # fmt: skip
+    for value, says in bad:
+        with pytest.raises(ValueError, match=f"{what} {says}"):
+            normalise({"structural_tag": value})
+    # a format xgrammar does not know; a tag that no trigger starts
+    for value in ({"format": {"type": "nonsense"}}, {**legacy, "triggers": ["<other>"]}):
+        with pytest.raises(ValueError, match=f"{what} cannot be used: "):
+            check_syntax(normalise({"structural_tag": value}))
+
+
+def test_structural_tag_holds_what_it_opens(smollm_engine):
+    """The compiled tag lets free text through and holds an opened block to its schema; through
+    the engine, a tag that is the whole output (`<person>` JSON `</person>`) is kept to."""
+    engine = smollm_engine
+    eos = engine.core.grammars.stop_token_ids[0]
+    spec = normalise({"structural_tag": PERSON_LEGACY})
+
+    def accepts(text: str) -> bool:
+        matcher = engine.core.grammars.matcher(spec)
+        return matcher.accept_string(text) and matcher.accept_token(eos) and (
+            matcher.is_terminated())
+
+    ann = '{"name": "Ann", "age": 31, "tags": ["a"]}'
+    assert accepts(f"Here: <person>{ann}</person> and more text.")
+    assert accepts("No person at all.")
+    assert not accepts('Here: <person>{"name": "Ann", "age": "31", "tags": []}</person>')
+    assert not accepts(f"Here: <person>{ann}")  # an opened block must close
+
+    whole = {"structural_tag": {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<person>", "end": "</person>",
+        "content": {"type": "json_schema", "json_schema": PERSON}}}}  # fmt: skip
+    params = SamplingParams(max_tokens=48, temperature=0, structured_outputs=whole)
+    out = engine.generate(prompt_token_ids=[_ids(engine, ASK)], sampling_params=params,
+                          use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert out.finish_reason == "stop" and _replays(engine, whole, out.token_ids), out.text
+    assert out.text.startswith("<person>") and out.text.endswith("</person>"), out.text
+    person = json.loads(out.text.removeprefix("<person>").removesuffix("</person>"))
+    assert isinstance(person["name"], str) and isinstance(person["age"], int)

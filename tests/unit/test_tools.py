@@ -3,11 +3,13 @@ output equal to the whole, the prompt a template that ignores tools gets, and th
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
-from swaserve.sampling.structured import check_syntax
+from swaserve import SamplingParams
+from swaserve.sampling.structured import check_syntax, normalise
 from swaserve.server import protocol as P
 from swaserve.server.tools import (
     ToolError,
@@ -180,3 +182,131 @@ def test_enable_auto_tool_choice_without_a_parser_fails_at_start(capsys):
     rc = cli_main(["serve", "--device", "cpu", "--port", "0", "--enable-auto-tool-choice"])
     err = capsys.readouterr().err
     assert rc == 2 and "--tool-call-parser (hermes, llama3_json, mistral, pythonic)" in err, err
+
+
+# --- "auto" with strict tools: a structural tag in the parser's format -----------------------
+
+UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 20}, "unit": UNIT}}
+ZONE = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
+W_ARGS, T_ARGS = '{"city": "Paris", "unit": "celsius"}', '{"zone": "CET"}'
+BAD_ARGS = '{"city": "Paris", "unit": "kelvin"}'  # outside the enum
+
+
+def _strict_tools(strict: bool = True) -> list[P.ToolDef]:
+    """get_weather (strict unless told) and get_time (never strict: held all the same)."""
+    return [P.ToolDef.model_validate({"type": "function", "function": {
+                "name": "get_weather", "parameters": WEATHER, "strict": strict}}),
+            P.ToolDef.model_validate({"type": "function", "function": {
+                "name": "get_time", "parameters": ZONE}})]  # fmt: skip
+
+
+def _hermes(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def _obj(name: str, args: str, key: str = "arguments") -> str:
+    return f'{{"name": "{name}", "{key}": {args}}}'
+
+
+# parser -> (texts the tag takes, with the calls they parse to; texts it refuses; what a second
+# call looks like after a first, refused with parallel_tool_calls false)
+STRICT_CASES = {
+    "hermes": (
+        {"Let me look.\n" + _hermes("get_weather", W_ARGS):
+             [("get_weather", W_ARGS)],
+         _hermes("get_time", T_ARGS) + " then " + _hermes("get_weather", W_ARGS) + " done.":
+             [("get_time", T_ARGS), ("get_weather", W_ARGS)],
+         "No call, just {braces}.": []},
+        ["Sure. " + _hermes("get_weather", BAD_ARGS),
+         _hermes("get_weather", '{"city": "Paris"}'),  # a required argument missing
+         _hermes("get_time", '{"zone": 5}'),  # the non-strict tool's schema holds too
+         _hermes("get_date", "{}"),  # no such tool
+         "Sure. " + _hermes("get_weather", W_ARGS)[:-3]],  # an opened call must close
+        _hermes("get_weather", W_ARGS) + "<tool_call>"),
+    "mistral": (
+        {"Sure. [TOOL_CALLS][" + _obj("get_weather", W_ARGS) + ", "
+         + _obj("get_time", T_ARGS) + "]": [("get_weather", W_ARGS), ("get_time", T_ARGS)],
+         "[TOOL_CALLS][" + _obj("get_time", T_ARGS) + "]": [("get_time", T_ARGS)],
+         "No call.": []},
+        ["[TOOL_CALLS][" + _obj("get_weather", BAD_ARGS) + "]",
+         "[TOOL_CALLS][" + _obj("get_weather", W_ARGS) + "] and then text",
+         "[TOOL_CALLS][]"],
+        "[TOOL_CALLS][" + _obj("get_weather", W_ARGS) + ", {"),
+    "llama3_json": (
+        {_obj("get_weather", W_ARGS, "parameters"): [("get_weather", W_ARGS)],
+         "<|python_tag|>" + _obj("get_time", T_ARGS, "parameters") + "; "
+         + _obj("get_weather", W_ARGS, "parameters"): [("get_time", T_ARGS),
+                                                      ("get_weather", W_ARGS)],
+         "No call, just {braces}.": []},
+        [_obj("get_weather", BAD_ARGS, "parameters"),
+         " " + _obj("get_weather", BAD_ARGS, "parameters"),
+         "\x1c" + _obj("get_weather", BAD_ARGS, "parameters"),  # Python strips \x1c too
+         "<|python_tag|>" + _obj("get_weather", BAD_ARGS, "parameters"),
+         _obj("get_date", "{}", "parameters")],
+        _obj("get_weather", W_ARGS, "parameters") + "; {"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("parser", sorted(STRICT_CASES))
+def test_strict_auto_holds_calls_to_their_schemas(smollm_engine, parser):
+    """tool_choice "auto" with a strict tool: the grammar (compiled on SmolLM2's vocabulary)
+    takes free text and calls in the parser's format whose arguments keep to their tool's
+    schema, and the parser reads those calls back; it refuses a call that breaks a schema or
+    names no tool, and a second call with parallel_tool_calls false."""
+    grammars = smollm_engine.core.grammars
+    eos = grammars.stop_token_ids[0]
+    takes, refuses, second = STRICT_CASES[parser]
+
+    def complete(matcher, text: str) -> bool:
+        return matcher.accept_string(text) and matcher.accept_token(eos) and (
+            matcher.is_terminated())
+
+    plan = plan_tools(_strict_tools(), "auto", None, parser)
+    assert all("strict" not in t["function"] for t in plan.tools)  # never rendered
+    spec = normalise(plan.structured_outputs())
+    assert "structural_tag" in spec
+    for text, want in takes.items():
+        assert complete(grammars.matcher(spec), text), text
+        _, calls = plan.output(text)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want
+        assert _streamed(plan, text, [len(text) // 3, len(text) // 2])[1] == want
+    for text in refuses:
+        assert not complete(grammars.matcher(spec), text), text
+    assert grammars.matcher(spec).accept_string(second)  # parallel calls allowed ...
+    one = normalise(plan_tools(_strict_tools(), "auto", False, parser).structured_outputs())
+    assert not grammars.matcher(one).accept_string(second)  # ... or not
+    first = next(t for t, want in takes.items() if len(want) == 1)
+    assert complete(grammars.matcher(one), first)
+
+
+def test_strict_auto_needs_a_strict_tool_and_a_json_format():
+    assert plan_tools(_strict_tools(False), "auto", None, "hermes").structured_outputs() is None
+    # pythonic calls are not JSON: no grammar, the parser reads what comes
+    assert plan_tools(_strict_tools(), "auto", None, "pythonic").structured_outputs() is None
+    # under "required" and named choices the grammar is theirs, as without strict
+    assert "json" in plan_tools(_strict_tools(), "required", None, "hermes").structured_outputs()
+
+
+def test_strict_auto_through_the_engine(smollm_engine):
+    """SmolLM2, shown one earlier call whose unit ("C") is outside the enum, copies it; under
+    the strict tag its call keeps to the schema, and the free text before it stays content."""
+    engine = smollm_engine
+    earlier = {"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Rome", "unit": "C"}'}}
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": "Let me check.", "tool_calls": [earlier]},
+                {"role": "user", "content": "Weather in Paris?"}]  # fmt: skip
+    plan = plan_tools(_strict_tools(), "auto", None, "hermes")
+    template = engine.tokenizer.chat_template
+    prompt = engine.apply_chat_template(messages_for_template(messages, plan, template))
+    params = SamplingParams(max_tokens=60, temperature=0,
+                            structured_outputs=plan.structured_outputs())  # fmt: skip
+    out = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    content, calls = plan.output(out.text)
+    assert out.finish_reason == "stop" and len(calls) == 1, out.text
+    assert calls[0]["function"]["name"] == "get_weather", out.text
+    args = json.loads(calls[0]["function"]["arguments"])
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit"), out.text
+    assert plan.finish_reason(out.finish_reason, True) == "tool_calls"
