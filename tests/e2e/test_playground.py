@@ -10,6 +10,11 @@ installs what is missing (`apt-get install -y chromium chromium-driver`, `pip in
 selenium`). A non-root user installs them once the same way (`sudo apt-get install -y
 chromium chromium-driver`; `.venv/bin/pip install selenium` needs no root); until then the
 test skips and says so. Its screenshot is kept at `test-artifacts/playground.png`.
+
+Reasoning and tool calls (slow, the same server: `--reasoning-parser qwen3`, `--tool-call-parser
+hermes`): SmolLM2 does not think, so the page's delta logic (`applyDelta`, pure) and its
+rendering are driven with synthetic deltas and streams made up in the page (a wrapped
+`fetch`); one real run holds SmolLM2 to a call with tool_choice "required".
 """
 
 from __future__ import annotations
@@ -343,4 +348,369 @@ def test_playground_without_chat_template_uses_completions(tiny_server_factory, 
     assert last.find_elements("css selector", ".tok")  # completions logprobs, per token
     errors = [e for e in d.get_log("browser")
               if e["level"] == "SEVERE" and "status of 400" not in e["message"]]
+    assert not errors, json.dumps(errors, indent=1)
+
+
+# ---- slow: reasoning and tool calls ----------------------------------------------------------
+
+# Records every chat request's body in window.__bodies; while window.__scripts holds a list of
+# chunks, the next chat request gets them as its stream instead of going to the server ("pause"
+# in a list waits until the test calls window.__gates.shift()()). Other requests pass through.
+_FAKE_CHAT = r"""
+window.__bodies = [];
+window.__scripts = [];
+window.__gates = [];
+const realFetch = window.fetch.bind(window);
+window.fetch = (url, opts) => {
+  if (!String(url).includes("chat/completions")) return realFetch(url, opts);
+  window.__bodies.push(JSON.parse(opts.body));
+  const script = window.__scripts.shift();
+  if (!script) return realFetch(url, opts);
+  const enc = new TextEncoder();
+  const stream = new ReadableStream({
+    async start(ctrl) {
+      for (const item of script) {
+        if (item === "pause") {
+          await new Promise((go) => window.__gates.push(go));
+          continue;
+        }
+        ctrl.enqueue(enc.encode("data: " + JSON.stringify(item) + "\n\n"));
+      }
+      ctrl.enqueue(enc.encode("data: [DONE]\n\n"));
+      ctrl.close();
+    },
+  });
+  return Promise.resolve(new Response(stream, {
+    status: 200, headers: {"Content-Type": "text/event-stream"},
+  }));
+};
+"""
+
+
+def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None):
+    if usage is not None:
+        return {"object": "chat.completion.chunk", "choices": [], "usage": usage}
+    return {"object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+
+
+def _call(index: int, args: str, name: str | None = None, cid: str | None = None) -> dict:
+    piece: dict = {"index": index, "function": {"arguments": args}}
+    if name is not None:
+        piece["function"]["name"] = name
+        piece["type"] = "function"
+    if cid is not None:
+        piece["id"] = cid
+    return {"tool_calls": [piece]}
+
+
+# Three calls split across deltas, interleaved by index: the third has no id and its arguments
+# are not JSON.
+_CALL_DELTAS = [
+    _call(0, "", "get_weather", "call_a"),
+    _call(1, '{"tz"', "get_time", "call_b"),
+    _call(0, '{"city": '),
+    _call(1, ': "UTC"}'),
+    _call(0, '"Paris"}'),
+    _call(2, "not json", "echo"),
+]
+_USAGE = {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
+          "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _connect(d, server) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    d.get(server.url + "/")
+    _wait(d, lambda d: d.find_element("id", "status-text").text == "API key needed",
+          what="the page did not ask for the API key")
+    d.find_element("id", "api-key").send_keys(API_KEY, Keys.ENTER)
+    _wait(d, lambda d: MODEL in d.find_element("id", "model-info").text,
+          what="the key was not accepted")
+
+
+def _last(d, what: str = ".msg.assistant"):
+    return d.find_elements("css selector", what)[-1]
+
+
+def _type(d, text: str) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    d.find_element("id", "input").send_keys(text, Keys.ENTER)
+
+
+def _fields(d, values: dict[str, str]) -> None:
+    for field, value in values.items():
+        el = d.find_element("id", field)
+        el.clear()
+        el.send_keys(value)
+
+
+def _choose(d, choice: str) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    Select(d.find_element("id", "tool-choice")).select_by_value(choice)
+
+
+def _set_tools(d, text: str, choice: str) -> None:
+    """Puts `text` in the Tools editor (as typing would: an input event) and picks `choice`."""
+    d.execute_script("const t = document.getElementById('tools'); t.value = arguments[0];"
+                     "t.dispatchEvent(new Event('input'));", text)  # fmt: skip
+    _choose(d, choice)
+
+
+def _severe(d, allowed: tuple[str, ...] = ("status of 401",)) -> list:
+    return [e for e in d.get_log("browser")
+            if e["level"] == "SEVERE" and not any(a in e["message"] for a in allowed)]
+
+
+@pytest.mark.slow
+def test_playground_reasoning_and_tool_call_deltas(server, browser):
+    """The stream-delta logic (applyDelta, pure) on synthetic deltas, then the page on synthetic
+    streams: reasoning in a "Thinking" block, open while it streams and folded once the answer
+    starts, and never sent back; tool calls accumulated by index into cards, sent back with
+    their results; the Tools editor's inline error. The session server (--reasoning-parser
+    qwen3) serves the page; SmolLM2 does not think, so the streams are made up in the page."""
+    d = browser
+    _connect(d, server)
+
+    # applyDelta: pure, the turn accumulated; tool calls by index.
+    deltas = [{"role": "assistant", "content": ""}, {"reasoning_content": "Let me "},
+              {"reasoning_content": "think."}, {"reasoning_content": " Done.", "content": "Hi"},
+              {"content": " there"}, *_CALL_DELTAS]  # fmt: skip
+    got = d.execute_script("""
+        const P = window.swaservePlayground;
+        const first = P.emptyTurn();
+        let t = first;
+        const added = [];
+        for (const delta of arguments[0]) {
+          const r = P.applyDelta(t, delta);
+          added.push(r.added);
+          t = r.turn;
+        }
+        return {first, turn: t, added, message: P.assistantMessage(t),
+                pretty: P.formatArgs('{"a": [1, 2]}'), raw: P.formatArgs('{"a": '),
+                tools: ["", "[", "{}", "[{}]", "[]",
+                        '[{"type": "function", "function": {"name": "f"}}]'].map(P.parseTools)};
+    """, deltas)
+    assert got["first"] == {"reasoning": "", "content": "", "toolCalls": []}  # not changed
+    turn = got["turn"]
+    assert turn["reasoning"] == "Let me think. Done." and turn["content"] == "Hi there"
+    assert [a["reasoning"] for a in got["added"][:4]] == ["", "Let me ", "think.", " Done."]
+    assert got["added"][3]["content"] == "Hi"
+    assert [a["calls"] for a in got["added"][5:]] == [[0], [1], [0], [1], [0], [2]]
+    assert [(c["index"], c["id"], c["name"], c["arguments"]) for c in turn["toolCalls"]] == [
+        (0, "call_a", "get_weather", '{"city": "Paris"}'),
+        (1, "call_b", "get_time", '{"tz": "UTC"}'),
+        (2, "", "echo", "not json"),
+    ]
+    assert got["message"] == {"role": "assistant", "content": "Hi there", "tool_calls": [
+        {"id": "call_a", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_b", "type": "function",
+         "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "echo", "arguments": "not json"}},
+    ]}  # fmt: skip
+    assert got["pretty"] == {"json": True, "text": '{\n  "a": [\n    1,\n    2\n  ]\n}'}
+    assert got["raw"] == {"json": False, "text": '{"a": '}
+    ok = [(t["tools"] is not None, t["error"] is None) for t in got["tools"]]
+    assert ok == [(False, True), (False, False), (False, False), (False, False), (False, True),
+                  (True, True)]  # fmt: skip
+
+    # Turn 1 on the page: reasoning, then the answer.
+    d.execute_script(_FAKE_CHAT)
+    d.execute_script("window.__scripts.push(arguments[0])", [
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"reasoning_content": "The user says hi. "}),
+        _chunk({"reasoning_content": "I greet them back."}),
+        "pause",
+        _chunk({"content": "Hello"}),
+        "pause",
+        _chunk({"content": " there!"}),
+        _chunk({}, "stop"),
+        _chunk(usage=_USAGE),
+    ])  # fmt: skip
+    _type(d, "Hi")
+    _wait(d, lambda d: d.execute_script("return window.__gates.length") == 1, timeout=10,
+          what="the stream did not reach its first pause")
+    msg = _last(d)
+    thinking = msg.find_element("css selector", "details.thinking")
+    assert thinking.get_attribute("open") is not None, "the Thinking block is not open"
+    assert msg.get_attribute("data-phase") == "thinking"
+    assert msg.find_element("css selector", ".thinking-body").text == (
+        "The user says hi. I greet them back.")
+    assert not msg.find_element("css selector", ".msg-body").is_displayed()
+    d.execute_script("window.__gates.shift()()")
+    _wait(d, lambda d: msg.find_element("css selector", ".msg-body").text == "Hello",
+          timeout=10, what="the answer did not start")
+    assert thinking.get_attribute("open") is None, "the Thinking block did not fold"
+    assert msg.get_attribute("data-state") == "streaming"
+    assert msg.find_element("css selector", ".thinking-label").text == "Thinking"
+    d.execute_script("window.__gates.shift()()")
+    _wait(d, lambda d: msg.get_attribute("data-state") == "done", timeout=10,
+          what="turn 1 did not finish")
+    assert msg.find_element("css selector", ".msg-body").text == "Hello there!"
+    assert thinking.get_attribute("open") is None
+    thinking.find_element("css selector", "summary").click()  # it opens on demand
+    assert "I greet them back." in thinking.text
+    assert "finish: stop" in msg.find_element("css selector", ".msg-meta").text
+
+    # Turn 2: three calls, split across deltas by index; the reasoning stays out of the history.
+    d.execute_script("window.__scripts.push(arguments[0])", [
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"reasoning_content": "I need the weather and the time."}),
+        *[_chunk(c) for c in _CALL_DELTAS],
+        _chunk({}, "tool_calls"),
+        _chunk(usage=_USAGE),
+    ])  # fmt: skip
+    _type(d, "Weather and time in Paris?")
+    _wait(d, lambda d: len(d.find_elements("css selector", ".msg.assistant")) == 2
+          and _last(d).get_attribute("data-state") == "done", timeout=10,
+          what="turn 2 did not finish")
+    msg = _last(d)
+    body2 = d.execute_script("return window.__bodies[1]")
+    assert body2["messages"] == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello there!"},
+        {"role": "user", "content": "Weather and time in Paris?"},
+    ]
+    assert "tools" not in body2 and "tool_choice" not in body2  # the editor is empty
+    assert not msg.find_element("css selector", ".msg-body").is_displayed()  # calls only
+    assert msg.find_element("css selector", "details.thinking").get_attribute("open") is None
+    cards = msg.find_elements("css selector", ".tool-call")
+    assert [c.get_attribute("data-name") for c in cards] == ["get_weather", "get_time", "echo"]
+    assert [c.find_element("css selector", ".tool-name").text for c in cards] == [
+        "get_weather", "get_time", "echo"]
+    args = [c.find_element("css selector", ".tool-args") for c in cards]
+    assert args[0].text == json.dumps({"city": "Paris"}, indent=2)
+    assert args[1].text == json.dumps({"tz": "UTC"}, indent=2)
+    assert args[2].text == "not json" and "raw" in args[2].get_attribute("class")
+    assert "call_a" in cards[0].text
+    assert "finish: tool_calls" in msg.find_element("css selector", ".msg-meta").text
+
+    # The results, one per call: the last one sends them all back and the model goes on.
+    d.execute_script("window.__scripts.push(arguments[0])", [
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"content": "Sunny, and it is noon."}),
+        _chunk({}, "stop"),
+    ])  # fmt: skip
+    results = ['{"sky": "sunny"}', "12:00", "echoed"]
+    for card, result in zip(cards, results):
+        card.find_element("css selector", ".tool-result input").send_keys(result)
+        card.find_element("css selector", ".tool-result button").click()
+        if result != results[-1]:
+            assert d.execute_script("return window.__bodies.length") == 2  # not yet
+    _wait(d, lambda d: len(d.find_elements("css selector", ".msg.assistant")) == 3
+          and _last(d).get_attribute("data-state") == "done", timeout=10,
+          what="the turn after the tool results did not finish")
+    tool_msgs = d.find_elements("css selector", ".msg.tool")
+    assert [m.find_element("css selector", ".msg-body").text for m in tool_msgs] == results
+    body3 = d.execute_script("return window.__bodies[2]")
+    assert body3["messages"][3:] == [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_a", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_b", "type": "function",
+             "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "echo", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": results[0]},
+        {"role": "tool", "tool_call_id": "call_b", "content": results[1]},
+        {"role": "tool", "tool_call_id": "call_2", "content": results[2]},
+    ]  # fmt: skip
+    assert _last(d).find_element("css selector", ".msg-body").text == "Sunny, and it is noon."
+
+    # The Tools editor: invalid JSON is an inline error and nothing is sent; a valid list goes
+    # out with the chosen tool_choice.
+    _set_tools(d, '[{"type": "function", "function": {"name": ', "none")
+    err = d.find_element("id", "tools-error")
+    assert err.is_displayed() and "not valid JSON" in err.text
+    _type(d, "Anything else?")
+    time.sleep(0.3)
+    assert d.execute_script("return window.__bodies.length") == 3
+    assert d.find_element("id", "input").get_attribute("value") == "Anything else?"
+    assert len(d.find_elements("css selector", ".msg.user")) == 2
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    _set_tools(d, json.dumps(tools), "none")
+    assert not err.is_displayed()
+    assert d.find_element("id", "tools-summary").text == "1 tool: get_weather"
+    d.execute_script("window.__scripts.push(arguments[0])",
+                     [_chunk({"content": "No."}), _chunk({}, "stop")])  # fmt: skip
+    _type(d, "")  # the text is still there: Enter sends it
+    _wait(d, lambda d: d.execute_script("return window.__bodies.length") == 4, timeout=10,
+          what="the fixed tools were not sent")
+    body4 = d.execute_script("return window.__bodies[3]")
+    assert body4["tools"] == tools and body4["tool_choice"] == "none"
+    assert body4["messages"][-1] == {"role": "user", "content": "Anything else?"}
+    _wait(d, lambda d: _last(d).get_attribute("data-state") == "done", timeout=10)
+    assert not _severe(d), json.dumps(_severe(d), indent=1)
+
+
+@pytest.mark.slow
+def test_playground_tool_call_against_the_server(server, browser):
+    """A real run: tools with tool_choice "required" (a grammar holds SmolLM2 to a call) show a
+    card naming one of the tools; its result sent back goes on to a text answer
+    (tool_choice "none"). A tools request the server refuses (400) shows as the page shows
+    errors, and the turn is not kept."""
+    d = browser
+    _connect(d, server)
+    d.execute_script(_FAKE_CHAT)  # no scripts: requests go to the server, their bodies kept
+    _fields(d, {"max-tokens": "48", "temperature": "0"})  # room for one call, spaces and all
+
+    # Refused: a tool name with a space (the server's 400, shown in the turn).
+    _set_tools(d, json.dumps([{"type": "function", "function": {"name": "bad name"}}]),
+               "required")
+    _type(d, "Hello")
+    _wait(d, lambda d: d.find_elements("css selector", ".msg.assistant")
+          and _last(d).get_attribute("data-state") == "error", timeout=30,
+          what="the refused request did not show an error")
+    assert "must be 1 to 64 letters" in _last(d).find_element("css selector", ".msg-body").text
+
+    names = ["get_weather", "get_time"]
+    tools = [
+        {"type": "function", "function": {
+            "name": "get_weather", "description": "The current weather in a city.",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]}},
+                "required": ["city"]}}},
+        {"type": "function", "function": {
+            "name": "get_time", "description": "The current time in a time zone.",
+            "parameters": {"type": "object", "properties": {
+                "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}},
+    ]  # fmt: skip
+    _set_tools(d, json.dumps(tools), "required")
+    _type(d, "What is the weather in Paris?")
+    _wait(d, lambda d: len(d.find_elements("css selector", ".msg.assistant")) == 2
+          and _last(d).get_attribute("data-state") != "streaming", timeout=120,
+          what="the tool call did not finish")
+    msg = _last(d)
+    assert msg.get_attribute("data-state") == "done", msg.text
+    cards = msg.find_elements("css selector", ".tool-call")
+    assert cards, msg.text
+    assert cards[0].get_attribute("data-name") in names
+    args = json.loads(cards[0].find_element("css selector", ".tool-args").text)
+    assert isinstance(args, dict)
+    # "tool_calls", or "length" where SmolLM2 went on to a second call (parallel calls are on)
+    meta = msg.find_element("css selector", ".msg-meta").text
+    assert re.search(r"finish: (tool_calls|length)", meta), meta
+    sent = d.execute_script("return window.__bodies")
+    assert [m["role"] for m in sent[-1]["messages"]] == ["user"]  # the refused turn is gone
+    assert sent[-1]["tool_choice"] == "required" and sent[-1]["tools"] == tools
+
+    # Each call's result, then the answer in text: the server takes the history back.
+    _choose(d, "none")
+    _fields(d, {"max-tokens": "8"})
+    for card in cards:
+        card.find_element("css selector", ".tool-result input").send_keys('{"result": "sunny"}')
+        card.find_element("css selector", ".tool-result button").click()
+    _wait(d, lambda d: len(d.find_elements("css selector", ".msg.assistant")) == 3
+          and _last(d).get_attribute("data-state") != "streaming", timeout=120,
+          what="the answer after the tool result did not finish")
+    assert _last(d).get_attribute("data-state") == "done", _last(d).text
+    last_body = d.execute_script("return window.__bodies")[-1]
+    roles = [m["role"] for m in last_body["messages"]]
+    assert roles == ["user", "assistant"] + ["tool"] * len(cards)
+    assert len(last_body["messages"][1]["tool_calls"]) == len(cards)
+    errors = _severe(d, ("status of 401", "status of 400"))  # the refused request's 400
     assert not errors, json.dumps(errors, indent=1)

@@ -1,6 +1,7 @@
 // swaserve playground: chat with streaming, sampling controls, per-token logprobs, cached
-// tokens per turn and a live view of the KV page pool (GET /v1/memory). Plain JavaScript,
-// no build step, no external resources: every request goes to the server that served it.
+// tokens per turn, the model's reasoning (reasoning_content) and tool calls, and a live view of
+// the KV page pool (GET /v1/memory). Plain JavaScript, no build step, no external resources:
+// every request goes to the server that served it.
 (() => {
   "use strict";
 
@@ -13,6 +14,24 @@
     "text (\u201cUser: \u2026\u201d / \u201cAssistant:\u201d lines) to /v1/completions. " +
     "Start the server with --chat-template FILE for real chat turns.";
 
+  const EXAMPLE_TOOLS = [
+    {
+      type: "function",
+      function: {
+        name: "get_weather",
+        description: "The current weather in a city.",
+        parameters: {
+          type: "object",
+          properties: {
+            city: { type: "string", description: "the city's name" },
+            unit: { type: "string", enum: ["celsius", "fahrenheit"] },
+          },
+          required: ["city"],
+        },
+      },
+    },
+  ];
+
   const $ = (id) => document.getElementById(id);
   const fmt = (n) => (typeof n === "number" && isFinite(n) ? n.toLocaleString("en-US") : "\u2013");
 
@@ -21,7 +40,7 @@
     model: null,
     maxModelLen: null,
     mode: "chat", // "completions" once the model turns out to have no chat template
-    history: [], // {role, content} of finished turns
+    history: [], // the finished turns as the API takes them: {role, content[, tool_calls]}
     busy: false,
     abort: null,
     polling: false,
@@ -299,6 +318,109 @@
     area((p) => p.req, css.getPropertyValue("--accent").trim());
   }
 
+  // ---- turns: stream deltas, tool calls, tools (pure: no DOM) ----------------------------
+
+  function emptyTurn() {
+    return { reasoning: "", content: "", toolCalls: [] };
+  }
+
+  // One chat stream delta applied to the turn so far: the next turn and what the delta added.
+  // `turn`: {reasoning, content, toolCalls: [{index, id, type, name, arguments}]}, not changed.
+  // Tool calls add up per `index`: the first delta of a call brings its id and name, later ones
+  // more of its arguments (a named tool_choice streams them in pieces; "auto" and "required"
+  // calls come whole, one delta each).
+  function applyDelta(turn, delta) {
+    const added = { reasoning: "", content: "", calls: [] };
+    const next = { reasoning: turn.reasoning, content: turn.content, toolCalls: turn.toolCalls };
+    if (!delta) return { turn: next, added };
+    const thought = delta.reasoning_content || delta.reasoning; // vLLM has used both names
+    if (typeof thought === "string" && thought) {
+      added.reasoning = thought;
+      next.reasoning += thought;
+    }
+    if (typeof delta.content === "string" && delta.content) {
+      added.content = delta.content;
+      next.content += delta.content;
+    }
+    const pieces = Array.isArray(delta.tool_calls) ? delta.tool_calls : [];
+    if (pieces.length) next.toolCalls = turn.toolCalls.slice();
+    pieces.forEach((piece, k) => {
+      const index = typeof piece.index === "number" ? piece.index : k;
+      const fn = piece.function || {};
+      const at = next.toolCalls.findIndex((c) => c.index === index);
+      const prev = at >= 0
+        ? next.toolCalls[at]
+        : { index, id: "", type: "function", name: "", arguments: "" };
+      const name = typeof fn.name === "string" && fn.name && fn.name !== prev.name
+        ? prev.name + fn.name
+        : prev.name;
+      const call = {
+        index,
+        id: prev.id || piece.id || "",
+        type: prev.type || piece.type || "function",
+        name,
+        arguments: prev.arguments + (typeof fn.arguments === "string" ? fn.arguments : ""),
+      };
+      if (at >= 0) next.toolCalls[at] = call;
+      else next.toolCalls.push(call);
+      if (!added.calls.includes(index)) added.calls.push(index);
+    });
+    if (pieces.length) next.toolCalls.sort((a, b) => a.index - b.index);
+    return { turn: next, added };
+  }
+
+  function callId(call) {
+    return call.id || "call_" + call.index;
+  }
+
+  // The turn as the next request's history holds it: content and tool calls. The reasoning
+  // stays out (OpenAI's and vLLM's practice: earlier turns are sent without it).
+  function assistantMessage(turn) {
+    if (!turn.toolCalls.length) return { role: "assistant", content: turn.content };
+    return {
+      role: "assistant",
+      content: turn.content || null,
+      tool_calls: turn.toolCalls.map((c) => ({
+        id: callId(c),
+        type: "function",
+        function: { name: c.name, arguments: c.arguments },
+      })),
+    };
+  }
+
+  // A call's arguments for its card: pretty-printed JSON, or the text as it came.
+  function formatArgs(text) {
+    try {
+      return { json: true, text: JSON.stringify(JSON.parse(text), null, 2) };
+    } catch (_) {
+      return { json: false, text };
+    }
+  }
+
+  // The Tools editor's text: {tools: a list, or null for none} or {error}.
+  function parseTools(text) {
+    if (!text.trim()) return { tools: null, error: null };
+    let tools;
+    try {
+      tools = JSON.parse(text);
+    } catch (e) {
+      return { tools: null, error: "not valid JSON: " + e.message };
+    }
+    if (!Array.isArray(tools)) {
+      return { tools: null, error: 'a JSON list of tools is needed: [{"type": "function", ...}]' };
+    }
+    for (let i = 0; i < tools.length; i++) {
+      const t = tools[i];
+      if (!t || t.type !== "function" || !t.function || typeof t.function.name !== "string") {
+        return {
+          tools: null,
+          error: "tools[" + i + '] must be {"type": "function", "function": {"name": ...}}',
+        };
+      }
+    }
+    return { tools: tools.length ? tools : null, error: null };
+  }
+
   // ---- messages --------------------------------------------------------------------------
 
   function scrollDown(force) {
@@ -312,7 +434,8 @@
     msg.className = "msg " + role;
     const who = document.createElement("div");
     who.className = "who";
-    who.textContent = role === "user" ? "you" : state.model || "model";
+    const names = { user: "you", tool: "tool result" };
+    who.textContent = names[role] || state.model || "model";
     const body = document.createElement("div");
     body.className = "msg-body";
     msg.append(who, body);
@@ -325,7 +448,9 @@
     return tok.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5") || "\u2205";
   }
 
-  // One assistant turn: text arrives in pieces, each with the logprobs of its tokens.
+  // One assistant turn: text arrives in pieces, each with the logprobs of its tokens; a chat
+  // turn's deltas may also carry reasoning (a "Thinking" block above the answer, open while it
+  // streams) and tool calls (a card each, below the answer).
   class AssistantView {
     constructor() {
       this.el = addMessage("assistant");
@@ -336,10 +461,143 @@
 
     reset() {
       this.body.textContent = "";
+      this.body.hidden = false;
       this.body.classList.toggle("shade", $("shade").checked);
+      for (const el of this.el.querySelectorAll(".thinking, .tool-calls")) el.remove();
+      delete this.el.dataset.phase;
+      this.thinking = null;
+      this.calls = null;
+      this.turn = emptyTurn();
+      this.answered = new Set(); // indices of the calls whose result was sent
       this.text = "";
       this.pending = [];
       this.updates = 0;
+    }
+
+    // A chat stream delta (applyDelta) with the logprobs of its tokens.
+    delta(d, toks) {
+      const { turn, added } = applyDelta(this.turn, d);
+      this.turn = turn;
+      if (added.reasoning) this.think(added.reasoning);
+      if (added.calls.length) {
+        this.endThinking();
+        this.pending = []; // the call's tokens: not the answer's
+        for (const i of added.calls) this.showCall(turn.toolCalls.find((c) => c.index === i));
+      }
+      if (added.content) {
+        this.endThinking();
+        this.append(added.content, toks);
+      } else if (!added.reasoning && !added.calls.length) {
+        this.append("", toks); // tokens whose text comes later
+      } else if (added.reasoning && !this.text) {
+        this.pending = []; // the reasoning's tokens: not the answer's
+      }
+    }
+
+    think(text) {
+      if (!this.thinking) {
+        const box = document.createElement("details");
+        box.className = "thinking";
+        box.open = true;
+        const summary = document.createElement("summary");
+        const label = document.createElement("span");
+        label.className = "thinking-label";
+        label.textContent = "Thinking\u2026";
+        const size = document.createElement("span");
+        size.className = "thinking-size";
+        summary.append(label, size);
+        const body = document.createElement("div");
+        body.className = "thinking-body";
+        box.append(summary, body);
+        this.el.insertBefore(box, this.body);
+        this.thinking = { box, label, size, body };
+        if (!this.el.dataset.phase) this.el.dataset.phase = "thinking";
+      }
+      this.thinking.body.append(text);
+      this.thinking.size.textContent = " \u00b7 " + fmt(countWords(this.turn.reasoning)) + " words";
+      scrollDown(false);
+    }
+
+    // The answer (or a tool call) started, or the turn ended: the reasoning folds away.
+    endThinking() {
+      if (this.el.dataset.phase === "answer") return;
+      this.el.dataset.phase = "answer";
+      if (this.thinking) {
+        this.thinking.box.open = false;
+        this.thinking.label.textContent = "Thinking";
+      }
+    }
+
+    showCall(call) {
+      if (!this.calls) {
+        this.calls = document.createElement("div");
+        this.calls.className = "tool-calls";
+        this.body.after(this.calls);
+      }
+      let card = this.calls.querySelector('.tool-call[data-index="' + call.index + '"]');
+      if (!card) {
+        card = document.createElement("div");
+        card.className = "tool-call";
+        card.dataset.index = String(call.index);
+        const head = document.createElement("div");
+        head.className = "tool-head";
+        const tag = document.createElement("span");
+        tag.className = "tool-tag";
+        tag.textContent = "tool call";
+        const name = document.createElement("code");
+        name.className = "tool-name";
+        const id = document.createElement("span");
+        id.className = "tool-id";
+        head.append(tag, name, id);
+        const args = document.createElement("pre");
+        args.className = "tool-args";
+        card.append(head, args);
+        this.calls.append(card);
+      }
+      card.dataset.name = call.name;
+      card.querySelector(".tool-name").textContent = call.name || "?";
+      card.querySelector(".tool-id").textContent = call.id;
+      const args = formatArgs(call.arguments);
+      const pre = card.querySelector(".tool-args");
+      pre.textContent = args.text;
+      pre.classList.toggle("raw", !args.json);
+      pre.title = args.json ? "arguments (JSON)" : "arguments, as the model wrote them (not JSON)";
+      scrollDown(false);
+    }
+
+    // Under each call: a field for the tool's result, sent as a "tool" message; once every
+    // call of the turn has its result, the model goes on.
+    offerResults() {
+      for (const call of this.turn.toolCalls) {
+        const card = this.calls.querySelector('.tool-call[data-index="' + call.index + '"]');
+        const form = document.createElement("form");
+        form.className = "tool-result";
+        form.autocomplete = "off";
+        const input = document.createElement("input");
+        input.type = "text";
+        input.placeholder = "the tool's result, e.g. {\"temperature\": 21}";
+        input.setAttribute("aria-label", "result of " + call.name);
+        const button = document.createElement("button");
+        button.type = "submit";
+        button.textContent = "Send result";
+        form.append(input, button);
+        form.addEventListener("submit", (e) => {
+          e.preventDefault();
+          if (state.busy || form.dataset.closed) return;
+          this.sendResult(call, input.value, form);
+        });
+        card.append(form);
+      }
+    }
+
+    sendResult(call, content, form) {
+      state.history.push({ role: "tool", tool_call_id: callId(call), content });
+      closeResult(form, "result sent");
+      form.dataset.sent = "1";
+      addToolMessage(call, content);
+      this.answered.add(call.index);
+      const left = this.turn.toolCalls.length - this.answered.size;
+      if (left === 0) runTurn(0);
     }
 
     // `text`: the new text; `toks`: [{token, logprob, top: [{token, logprob}]}] of the tokens
@@ -373,6 +631,15 @@
     }
 
     finish(info) {
+      this.endThinking();
+      if (!this.text && (this.turn.toolCalls.length || this.turn.reasoning)) {
+        this.pending = []; // the end-of-turn token after a call or a reasoning: no answer to mark
+        this.body.hidden = true;
+      }
+      if (this.calls) {
+        for (const call of this.turn.toolCalls) this.showCall(call);
+        if (state.mode === "chat") this.offerResults();
+      }
       for (const t of this.pending) {
         const s = this.span(t.token, [t]); // e.g. the end-of-turn token: no text of its own
         s.classList.add("special");
@@ -418,13 +685,34 @@
 
     fail(message) {
       this.el.dataset.state = "error";
+      this.endThinking();
+      this.body.hidden = false;
       this.body.textContent = message;
     }
+  }
+
+  function countWords(text) {
+    const words = text.trim().split(/\s+/);
+    return words[0] ? words.length : 0;
+  }
+
+  function closeResult(form, note) {
+    form.dataset.closed = "1";
+    for (const el of form.elements) el.disabled = true;
+    form.title = note;
   }
 
   function addUserMessage(text) {
     const msg = addMessage("user");
     msg.querySelector(".msg-body").textContent = text;
+    return msg;
+  }
+
+  function addToolMessage(call, content) {
+    const msg = addMessage("tool");
+    msg.querySelector(".who").textContent = "tool result \u00b7 " + (call.name || "?");
+    msg.dataset.toolCallId = callId(call);
+    msg.querySelector(".msg-body").textContent = content;
     return msg;
   }
 
@@ -465,6 +753,12 @@
       body.logprobs = true;
       body.top_logprobs = TOP_LOGPROBS;
     }
+    const { tools, error } = parseTools($("tools").value);
+    if (error) throw new Error("Tools: " + error); // send() checks first: not reached
+    if (tools) {
+      body.tools = tools;
+      body.tool_choice = $("tool-choice").value;
+    }
     return ["v1/chat/completions", body];
   }
 
@@ -472,7 +766,8 @@
     const body = samplingBody();
     const system = $("system").value.trim();
     const lines = state.history.map(
-      (m) => (m.role === "user" ? "User: " : "Assistant: ") + m.content,
+      (m) => (m.role === "user" ? "User: " : m.role === "tool" ? "Tool: " : "Assistant: ") +
+        (m.content || ""),
     );
     body.prompt = (system ? system + "\n\n" : "") + lines.join("\n") + "\nAssistant:";
     body.stop = ["\nUser:", "\nAssistant:"];
@@ -532,11 +827,20 @@
           if (chunk.usage) usage = chunk.usage;
           for (const c of chunk.choices || []) {
             if (c.index !== 0) continue;
-            const text = mode === "chat" ? (c.delta && c.delta.content) || "" : c.text || "";
-            const toks = mode === "chat" ? chatTokens(c.logprobs) : completionTokens(c.logprobs);
-            if (text || toks.length) {
-              if (ttft === null) ttft = (performance.now() - t0) / 1000;
-              view.append(text, toks);
+            if (mode === "chat") {
+              const d = c.delta || {};
+              const toks = chatTokens(c.logprobs);
+              const any = d.content || d.reasoning_content || d.reasoning ||
+                (d.tool_calls && d.tool_calls.length) || toks.length;
+              if (any && ttft === null) ttft = (performance.now() - t0) / 1000;
+              view.delta(d, toks);
+            } else {
+              const text = c.text || "";
+              const toks = completionTokens(c.logprobs);
+              if (text || toks.length) {
+                if (ttft === null) ttft = (performance.now() - t0) / 1000;
+                view.delta({ content: text }, toks);
+              }
             }
             if (c.finish_reason) finish = c.finish_reason;
           }
@@ -566,20 +870,51 @@
     $("endpoint").textContent = "POST /v1/completions, streaming (no chat template)";
   }
 
-  async function send(text) {
-    if (state.busy || !text.trim()) return;
+  // The Tools editor's state shown under it; false while its text is not a list of tools.
+  function checkTools() {
+    const { tools, error } = parseTools($("tools").value);
+    const err = $("tools-error");
+    err.hidden = !error;
+    err.textContent = error || "";
+    $("tools").setAttribute("aria-invalid", error ? "true" : "false");
+    $("tools-summary").textContent = error
+      ? ""
+      : tools
+        ? tools.length + (tools.length === 1 ? " tool: " : " tools: ") +
+          tools.map((t) => t.function.name).join(", ")
+        : "No tools: requests send none.";
+    return !error;
+  }
+
+  function send(text) {
+    if (state.busy || !text.trim()) return false;
+    if (!checkTools()) {
+      $("tools").focus();
+      return false; // the inline error says why; nothing is sent
+    }
     state.history.push({ role: "user", content: text });
     addUserMessage(text);
+    runTurn(1);
+    return true;
+  }
+
+  // One assistant turn on the history as it stands; `added`: how many messages the caller just
+  // put at its end (the user's), taken back if the turn fails or is stopped before any output.
+  async function runTurn(added) {
+    for (const f of document.querySelectorAll(".tool-result:not([data-closed])")) {
+      closeResult(f, "the conversation went on without this result");
+    }
     const view = new AssistantView();
     const ctrl = new AbortController();
     state.abort = ctrl;
     setBusy(true);
+    const takeBack = () => state.history.splice(state.history.length - added, added);
     try {
       let info;
       try {
         info = await streamTurn(view, ctrl.signal, state.mode);
       } catch (e) {
-        if (state.mode === "chat" && e.status === 400 && /chat template/i.test(e.message)) {
+        if (state.mode === "chat" && e.status === 400 && /no chat template/i.test(e.message)) {
           state.mode = "completions";
           showNoTemplate();
           view.reset();
@@ -588,16 +923,17 @@
           throw e;
         }
       }
-      state.history.push({ role: "assistant", content: view.text });
+      state.history.push(assistantMessage(view.turn));
       view.finish(info);
     } catch (e) {
       if (e.name === "AbortError") {
-        if (view.text) state.history.push({ role: "assistant", content: view.text });
-        else state.history.pop();
+        const kept = view.text || view.turn.toolCalls.length;
+        if (kept) state.history.push(assistantMessage(view.turn));
+        else takeBack();
         view.finish({ usage: null, finish: null, ttft: null, elapsed: 0, stopped: true,
           endpoint: state.mode === "chat" ? "/v1/chat/completions" : "/v1/completions" });
       } else {
-        state.history.pop(); // the turn did not happen: it is not sent again
+        takeBack(); // the turn did not happen: it is not sent again
         view.fail(e.message);
         if (e.status === 401) connect();
       }
@@ -720,8 +1056,7 @@
       e.preventDefault();
       const text = $("input").value;
       if (!text.trim() || state.busy) return;
-      $("input").value = "";
-      send(text);
+      if (send(text)) $("input").value = "";
     });
     $("input").addEventListener("keydown", (e) => {
       if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
@@ -737,6 +1072,12 @@
       $("empty-state").hidden = false;
       $("input").focus();
     });
+    $("tools").addEventListener("input", checkTools);
+    $("tools-example").addEventListener("click", () => {
+      $("tools").value = JSON.stringify(EXAMPLE_TOOLS, null, 2);
+      checkTools();
+    });
+    checkTools();
     for (const b of document.querySelectorAll(".suggestion")) {
       b.addEventListener("click", () => send(b.textContent));
     }
@@ -757,5 +1098,9 @@
     $("input").focus();
   }
 
+  // For tests and the console: the page's pure parts.
+  window.swaservePlayground = Object.freeze({
+    applyDelta, emptyTurn, assistantMessage, formatArgs, parseTools,
+  });
   init();
 })();
