@@ -57,8 +57,9 @@ class SamplingParams:
     # vLLM's: sample only among these token ids (the others' logits at -inf)
     allowed_token_ids: list[int] | None = None
     # The output held to a grammar (sampling/structured.py): exactly one of {"json": schema},
-    # {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": EBNF} (vLLM's
-    # `structured_outputs`); the server maps OpenAI's response_format onto it.
+    # {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": EBNF},
+    # {"structural_tag": ...} (vLLM's `structured_outputs`); the server maps OpenAI's
+    # response_format onto it.
     structured_outputs: dict[str, Any] | None = None
     # A thinking model's reasoning block, kept out of the grammar (sampling/reasoning_gate.py;
     # the server sets these with --reasoning-parser, as vLLM starts the grammar after the

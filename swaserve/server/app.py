@@ -35,6 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -54,6 +55,19 @@ from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestF
 from swaserve.server.metrics import CONTENT_TYPE, Metrics
 from swaserve.server.metrics_dp import RankedMetrics
 from swaserve.server.reasoning import ReasoningStream, get_reasoning_parser, grammar_markers
+from swaserve.server.responses import (
+    ResponseEvents,
+    ResponsesError,
+    ResponsesRequest,
+    ResponseStore,
+    assistant_turn,
+    new_id,
+    output_items,
+    response_object,
+    responses_param,
+    status_of,
+    to_chat,
+)
 from swaserve.server.tools import ToolDeltas, ToolError, ToolPlan, messages_for_template, plan_tools
 from swaserve.speculative.metrics import merge_spec
 
@@ -104,6 +118,8 @@ class ServerState:
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="swaserve-tokenize")
     )
+    # /v1/responses stored with store=true (server/responses.py): previous_response_id, GET
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     def serves(self, name: str) -> bool:
         """`name` is this server's model: the served name, or --model's value."""
@@ -277,6 +293,23 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: P.ChatCompletionRequest, raw: Request) -> Response:
         return await _chat(state, body, raw)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await _responses(state, body, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        hit = state.responses.get(response_id)
+        if hit is None:
+            raise _no_response(response_id)
+        return hit[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        if not state.responses.delete(response_id):
+            raise _no_response(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     _document_errors(app)
     return app
@@ -710,7 +743,7 @@ class _CompletionView:
             usage = self._usage(completion_tokens, sum(cached.values()))
             final = _final_chunk(head, self.body.include_usage, usage, specs.values())
             if final is not None:
-                yield final
+                yield _sse(final)
         yield "data: [DONE]\n\n"
 
 
@@ -834,6 +867,17 @@ def _tool_plan(
 
 
 async def _chat(state: ServerState, body: P.ChatCompletionRequest, raw: Request) -> Response:
+    view, queue, rids = await _chat_begin(state, body, raw)
+    if body.stream:
+        return _stream_response(view.stream(_events(state, queue, rids)), state, rids)
+    finals = await _collect(state, raw, queue, rids)
+    return JSONResponse(view.response(finals[view.id]))
+
+
+async def _chat_begin(
+    state: ServerState, body: P.ChatCompletionRequest, raw: Request
+) -> tuple[_ChatView, asyncio.Queue, list[str]]:
+    """A chat request checked, rendered and started: its view, its queue and request ids."""
     params = _params(state, body)
     plan, params = _tool_plan(state, body, params)
     prompt, ids = await _off_loop(state, _chat_prompt, state, body, plan)
@@ -848,11 +892,48 @@ async def _chat(state: ServerState, body: P.ChatCompletionRequest, raw: Request)
     queue, rids = _start(
         state, rid, [(prompt, ids)], params, bool(body.stream), _disagg(state, raw)
     )
-    view = _ChatView(state, body, params, ids, rid, created, plan)
+    return _ChatView(state, body, params, ids, rid, created, plan), queue, rids
+
+
+async def _responses(state: ServerState, body: ResponsesRequest, raw: Request) -> Response:
+    """/v1/responses through the chat path (server/responses.py)."""
+    try:
+        history = state.responses.history(body.previous_response_id)
+        fields, conversation = to_chat(body, history)
+        chat = P.ChatCompletionRequest.model_validate(fields)
+    except ResponsesError as e:
+        raise APIError(400, str(e), e.param, code=e.code) from None
+    except ValidationError as e:
+        message, param = P.validation_error(list(e.errors()))
+        raise bad(message, responses_param(param)) from None
+    try:
+        view, queue, rids = await _chat_begin(state, chat, raw)
+    except APIError as e:  # named by the chat field: name the Responses one
+        e.param = responses_param(e.param)
+        raise
+    rid, created = new_id("resp"), int(time.time())
+
+    def start(status: str, output: list, usage: dict | None) -> dict:
+        return response_object(body, rid, created, state.model_name, status, output, usage)
+
+    def done(response: dict) -> None:
+        if body.store is not False:
+            state.responses.put(response, conversation + assistant_turn(response["output"]))
+
     if body.stream:
-        return _stream_response(view.stream(_events(state, queue, rids)), state, rids)
+        events = ResponseEvents(start, done).stream(view.chunks(_events(state, queue, rids)))
+        return _stream_response(events, state, rids)
     finals = await _collect(state, raw, queue, rids)
-    return JSONResponse(view.response(finals[rid]))
+    choice = view.response(finals[view.id])
+    usage = choice["usage"]
+    choice = choice["choices"][0]
+    response = start(status_of(choice["finish_reason"]), output_items(choice), usage)
+    done(response)
+    return JSONResponse(response)
+
+
+def _no_response(response_id: str) -> APIError:
+    return APIError(404, f"Response with id {response_id!r} not found.", "response_id")
 
 
 class _ChatView:
@@ -919,6 +1000,13 @@ class _ChatView:
         return out
 
     async def stream(self, events: AsyncIterator) -> AsyncIterator[str]:
+        """The chunks as SSE, then [DONE]."""
+        async for chunk in self.chunks(events):
+            yield _sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self, events: AsyncIterator) -> AsyncIterator[dict]:
+        """The stream's chunks; an error body ends it."""
         head = {
             "id": self.id,
             "object": "chat.completion.chunk",
@@ -941,15 +1029,15 @@ class _ChatView:
         }
         if self.token_ids:
             first["prompt_token_ids"] = self.prompt_ids
-        yield _sse(first)
+        yield first
         completion_tokens, cached = 0, 0
         spec: list[dict] = []
         tools: dict[int, ToolDeltas] = {}  # per choice, with a ToolPlan
         thinking: dict[int, ReasoningStream] = {}  # per choice, with a reasoning parser
         async for ev in events:
             if isinstance(ev, dict):
-                yield _sse(ev)
-                break
+                yield ev
+                return
             _, ro = ev
             if ro.spec_decoding is not None:
                 spec = [ro.spec_decoding]
@@ -986,13 +1074,11 @@ class _ChatView:
                     c["token_ids"] = list(co.token_ids)
                 choices.append(c)
             if choices:
-                yield _sse({**head, "choices": choices, **usage_field})
-        else:
-            usage = P.usage(len(self.prompt_ids), completion_tokens, cached)
-            final = _final_chunk(head, self.body.include_usage, usage, spec)
-            if final is not None:
-                yield final
-        yield "data: [DONE]\n\n"
+                yield {**head, "choices": choices, **usage_field}
+        usage = P.usage(len(self.prompt_ids), completion_tokens, cached)
+        final = _final_chunk(head, self.body.include_usage, usage, spec)
+        if final is not None:
+            yield final
 
 
 def _merged(deltas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1008,7 +1094,7 @@ def _merged(deltas: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _final_chunk(
     head: dict, include_usage: bool, usage: dict, specs: Iterable[dict]
-) -> str | None:
+) -> dict | None:
     """The stream's last chunk before [DONE], with no choices: usage when asked for, and the
     speculative decoding counters when speculation is on."""
     chunk: dict[str, Any] = {**head, "choices": []}
@@ -1017,4 +1103,4 @@ def _final_chunk(
     spec = merge_spec(specs)
     if spec is not None:
         chunk["spec_decoding"] = spec
-    return _sse(chunk) if len(chunk) > len(head) + 1 else None
+    return chunk if len(chunk) > len(head) + 1 else None
