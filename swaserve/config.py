@@ -63,6 +63,10 @@ class EngineConfig:
     # Offline generate()/chat(): the order a batch's requests queue in (engine/engine.py).
     offline_order: str = "longest_first"  # longest_first | arrival
     max_logprobs: int = 20
+    # The model's sampling defaults (sampling/generation_defaults.py): auto (its
+    # generation_config.json), vllm or none (the API's), or a folder holding one
+    generation_config: str = "auto"
+    override_generation_config: str | dict | None = None  # JSON: {"temperature": 0.5, ...}
     # Speculative decoding (docs/architecture.md §8): off unless an algorithm is named.
     speculative_algorithm: str | None = None  # ngram | dflash
     speculative_draft_model: str | None = None  # dflash: the drafter's folder
@@ -378,6 +382,18 @@ FLAGS: dict[str, FlagInfo] = {
     ),
     "seed": FlagInfo("model", "sampling seed of requests that give none, so runs repeat"),
     "max_logprobs": FlagInfo("model", "most logprobs / prompt_logprobs a request may ask for"),
+    "generation_config": FlagInfo(
+        "model",
+        "sampling defaults of requests that leave them out (temperature, top_p, top_k, min_p, "
+        "repetition_penalty; max_new_tokens caps max_tokens): auto, the model's "
+        "generation_config.json; vllm or none, the API's; or a folder holding one",
+    ),
+    "override_generation_config": FlagInfo(
+        "model",
+        "JSON object of sampling defaults set over --generation-config's, e.g. "
+        "'{\"temperature\": 0.5}'",
+        default="none",
+    ),
     # memory
     "page_size": FlagInfo("memory", "tokens per KV page"),
     "kv_cache_gb": FlagInfo(

@@ -35,6 +35,7 @@ from swaserve.memory.manager import MemoryManager, page_bytes
 from swaserve.memory.radix_cache import build_prefix_cache
 from swaserve.models.blocks import head_dim_of, layer_windows
 from swaserve.outputs import EngineCoreOutput, Logprob
+from swaserve.sampling.generation_defaults import generation_defaults
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
 from swaserve.sampling.reasoning_gate import ReasoningGate
@@ -190,6 +191,10 @@ class EngineCore:
             # plain greedy steps: the head's argmax through a bfloat16 screen, exactly
             greedy_head = greedy_head_for(self.model)
         self.eos_token_ids = eos_token_ids(folder, hf)
+        # the model's generation_config: its max_new_tokens caps a request without max_tokens
+        self.default_max_tokens = generation_defaults(
+            folder, config.generation_config, config.override_generation_config
+        ).get("max_tokens")
         self.grammars = Grammars(functools.partial(_tokenizer, folder, config.tokenizer),
                                  int(hf.vocab_size), sorted(self.eos_token_ids))
         kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
@@ -493,7 +498,10 @@ class EngineCore:
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
         limit = ContextLimit(self.max_model_len, self.context_by_kv_pool)
-        return check_prompt(limit, num_prompt_tokens, params)
+        max_tokens = check_prompt(limit, num_prompt_tokens, params)
+        if params.max_tokens is None and self.default_max_tokens is not None:
+            max_tokens = min(max_tokens, self.default_max_tokens)
+        return max_tokens
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -16,6 +16,7 @@ from swaserve.engine.core import EngineCore
 from swaserve.engine.gc_heap import release_heap
 from swaserve.engine.output_processor import OutputProcessor
 from swaserve.outputs import RequestOutput
+from swaserve.sampling.generation_defaults import generation_defaults, sampling_fields
 from swaserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,9 @@ class Engine:
             self.core = EngineCore(self.config, self.folder)
         self.tokenizer = load_tokenizer(self.folder, self.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
+        self.generation_defaults = generation_defaults(
+            self.folder, self.config.generation_config, self.config.override_generation_config
+        )
         self._ids = itertools.count()
 
     # ---- public API -----------------------------------------------------------------------
@@ -180,7 +184,7 @@ class Engine:
         """One conversation's answer as it is generated: the text of each step's new tokens
         (text a stop string may begin is held back until it is known). Closing the iterator
         early (a `break`, Ctrl-C) aborts the request. One sample: n must be 1."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         if params.n != 1:
             raise ValueError("chat_stream takes n = 1")
         prompt = self.apply_chat_template(messages, chat_template, tools=tools)
@@ -276,10 +280,14 @@ class Engine:
             raise ValueError("the prompt is empty")
         return self._need_tokenizer().encode(text)
 
-    @staticmethod
-    def _params_list(sp: SamplingParams | list | None, n: int) -> list[SamplingParams]:
+    def default_sampling_params(self) -> SamplingParams:
+        """What generate/chat use without sampling_params: the model's generation_config
+        defaults (sampling/generation_defaults.py; vLLM's `get_default_sampling_params`)."""
+        return SamplingParams(**sampling_fields(self.generation_defaults))
+
+    def _params_list(self, sp: SamplingParams | list | None, n: int) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams()] * n
+            return [self.default_sampling_params()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
         if len(sp) != n:

@@ -118,6 +118,9 @@ class ServerState:
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="swaserve-tokenize")
     )
+    # the model's generation_config defaults for fields a request leaves out
+    # (sampling/generation_defaults.py: --generation-config)
+    sampling_defaults: dict = field(default_factory=dict)
     # /v1/responses stored with store=true (server/responses.py): previous_response_id, GET
     responses: ResponseStore = field(default_factory=ResponseStore)
 
@@ -393,7 +396,7 @@ def _params(
     if body.stream_options is not None and not body.stream:
         raise bad("stream_options is only allowed with stream=true", "stream_options")
     try:
-        params = body.sampling_params()
+        params = body.sampling_params(state.sampling_defaults)
     except ValueError as e:
         raise bad(str(e), P.param_of(str(e))) from None
     if params.n > state.max_n:

@@ -54,6 +54,7 @@ from typing import Any
 
 from swaserve.config import EngineConfig
 from swaserve.engine.gc_heap import freeze_startup_heap
+from swaserve.sampling.generation_defaults import describe, generation_defaults, sampling_fields
 
 log = logging.getLogger("swaserve.server")
 WATCHDOG_PERIOD_S = 0.2
@@ -225,6 +226,11 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
                 load_hf_config(folder), config.data_parallel_size, config.tensor_parallel_size
             )
         tokenizer = load_tokenizer(folder, config.tokenizer)
+        defaults = generation_defaults(folder, config.generation_config,
+                                       config.override_generation_config)  # fmt: skip
+        if defaults:  # as vLLM says it: a request's defaults are not the API's
+            log.info("sampling defaults from the model's generation config (requests that leave "
+                     "them out): %s", describe(defaults))  # fmt: skip
         chat_template = read_chat_template(config.chat_template)
         tool_parser = _tool_parser(args, tokenizer, chat_template)
         tmp = tempfile.mkdtemp(prefix="swaserve-ipc-")
@@ -232,7 +238,7 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
         try:
             code = asyncio.run(
                 _main(config, args, sock, folder, tokenizer, chat_template, tmp, cores,
-                      tool_parser)  # fmt: skip
+                      tool_parser, sampling_fields(defaults))  # fmt: skip
             )
         finally:
             wait = (GONE_STOP_S if cores.gone else STOP_S) if cores.ready else 0.01
@@ -280,6 +286,7 @@ async def _main(
     tmp: str,
     cores: _Cores,
     tool_parser: str | None = None,
+    sampling_defaults: dict | None = None,
 ) -> int:
     import uvicorn
 
@@ -349,6 +356,7 @@ async def _main(
             disaggregation=info.get("disaggregation"),
             tool_parser=tool_parser,
             reasoning_parser=args.reasoning_parser,
+            sampling_defaults=sampling_defaults or {},
         )
         server = _server_class()(
             uvicorn.Config(

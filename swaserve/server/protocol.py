@@ -156,9 +156,12 @@ class _SamplingRequest(_TextRequest):
         return self.structured_outputs
 
     def _params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """SamplingParams with OpenAI defaults; raises ValueError naming a bad field."""
+        """SamplingParams with OpenAI defaults, or the model's (`defaults`, from its
+        generation_config: sampling/generation_defaults.py) for the fields left out; raises
+        ValueError naming a bad field."""
         given = {
             "n": self.n,
             "temperature": self.temperature,
@@ -182,6 +185,9 @@ class _SamplingRequest(_TextRequest):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
+        for k, v in (defaults or {}).items():
+            if given.get(k) is None:
+                given[k] = v
         return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -200,11 +206,11 @@ class CompletionRequest(_SamplingRequest):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         plp = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             plp = max(plp or 0, self.logprobs)
-        return self._params(self.max_tokens, self.logprobs, plp)
+        return self._params(self.max_tokens, self.logprobs, plp, defaults)
 
 
 class TextPart(_Strict):
@@ -296,14 +302,14 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs, None)
+        return self._params(max_tokens, logprobs, None, defaults)
 
 
 class TokenizeRequest(_TextRequest):

@@ -1164,8 +1164,9 @@ def test_metrics_counters_follow_core_totals_and_queue_times():
     assert list(queued) == ["wait"]
 
 
-def test_served_model_name(tiny_server_factory, tiny_model_folder):
-    srv = tiny_server_factory("--served-model-name", "tiny-test")
+def test_served_model_name_and_generation_defaults(tiny_server_factory, tiny_model_folder):
+    srv = tiny_server_factory("--served-model-name", "tiny-test", "--override-generation-config",
+                              '{"temperature": 0, "max_new_tokens": 3}')  # fmt: skip
     models = httpx.get(srv.base_url + "/models").json()["data"]
     assert [(m["id"], m["root"]) for m in models] == [("tiny-test", str(tiny_model_folder))]
     assert httpx.get(srv.base_url + "/models/tiny-test").json()["id"] == "tiny-test"
@@ -1177,6 +1178,15 @@ def test_served_model_name(tiny_server_factory, tiny_model_folder):
     r = post(srv, "/completions", {"model": "other", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert "serving tiny-test on http://" in srv.log()
+    # the model's defaults (sampling/generation_defaults.py) for fields a request leaves out:
+    # greedy, and max_new_tokens caps a request without max_tokens
+    assert "sampling defaults from the model's generation config" in srv.log()
+    body = {"model": "tiny-test", "prompt": "hi", "ignore_eos": True}
+    left_out = post(srv, "/completions", body).json()
+    assert left_out["usage"]["completion_tokens"] == 3
+    assert left_out["choices"][0]["finish_reason"] == "length"
+    greedy = post(srv, "/completions", {**body, "temperature": 0, "max_tokens": 3}).json()
+    assert greedy["choices"][0]["text"] == left_out["choices"][0]["text"]
 
 
 def test_stream_interval_sends_tokens_in_groups(tiny_server_factory):
