@@ -806,7 +806,10 @@ def _render_chat(
         raise bad("messages must not be empty", "messages")
     add_gen = True if body.add_generation_prompt is None else body.add_generation_prompt
     messages = messages_for_template([m.to_template() for m in body.messages], plan, template)
-    extra = body.chat_template_kwargs or {}
+    extra = dict(body.chat_template_kwargs or {})
+    effort = getattr(body, "reasoning_effort", None)  # OpenAI's; gpt-oss's template reads it
+    if effort is not None:
+        extra.setdefault("reasoning_effort", effort)
     own = set(inspect.signature(tok.apply_chat_template).parameters) | {"messages"}
     clash = sorted(own & set(extra))
     if clash:

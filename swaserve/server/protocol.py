@@ -301,6 +301,9 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, for reasoning models: passed to the chat template as `reasoning_effort` (as
+    # vLLM does; gpt-oss's template reads it), unless chat_template_kwargs sets it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -219,9 +219,7 @@ def to_chat(
         chat["tools"] = _chat_tools(body.tools)
     if body.top_logprobs is not None or LOGPROBS_INCLUDE in (body.include or ()):
         chat["logprobs"], chat["top_logprobs"] = True, body.top_logprobs or 0
-    effort = (body.reasoning or {}).get("effort")
-    if effort is not None:
-        chat["chat_template_kwargs"] = {"reasoning_effort": effort}
+    chat["reasoning_effort"] = (body.reasoning or {}).get("effort")
     if body.stream:
         chat["stream"], chat["stream_options"] = True, {"include_usage": True}
     return {k: v for k, v in chat.items() if v is not None}, conversation
@@ -231,7 +229,7 @@ def to_chat(
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                      "max_tokens": "max_output_tokens",
                      "response_format": "text", "top_logprobs": "top_logprobs",
-                     "structured_outputs": "text", "chat_template_kwargs": "reasoning"}  # fmt: skip
+                     "structured_outputs": "text", "reasoning_effort": "reasoning"}  # fmt: skip
 
 
 def responses_param(param: str | None) -> str | None:

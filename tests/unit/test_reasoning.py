@@ -81,3 +81,22 @@ def test_chat_template_kwargs_reach_the_template(smollm_engine):
     with pytest.raises(APIError) as e:
         _render_chat(state, body)
     assert e.value.param == "chat_template_kwargs"
+
+
+def test_reasoning_effort_reaches_the_template(smollm_engine):
+    """OpenAI's reasoning_effort goes to the template (gpt-oss's reads it); chat_template_kwargs
+    setting it too wins."""
+    from swaserve.server import protocol as P
+    from swaserve.server.app import _render_chat
+
+    state = SimpleNamespace(tokenizer=smollm_engine.tokenizer, model_name="m",
+                            chat_template="{{ reasoning_effort | default('unset') }}")  # fmt: skip
+    msgs = [{"role": "user", "content": "hi"}]
+    ask = P.ChatCompletionRequest.model_validate
+    assert _render_chat(state, ask({"messages": msgs})) == "unset"
+    assert _render_chat(state, ask({"messages": msgs, "reasoning_effort": "low"})) == "low"
+    both = ask({"messages": msgs, "reasoning_effort": "low",
+                "chat_template_kwargs": {"reasoning_effort": "high"}})  # fmt: skip
+    assert _render_chat(state, both) == "high"
+    with pytest.raises(ValueError):
+        ask({"messages": msgs, "reasoning_effort": "extreme"})

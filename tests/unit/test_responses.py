@@ -80,7 +80,7 @@ def test_the_request_as_a_chat_request():
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert chat["response_format"]["json_schema"]["name"] == "w"
     assert chat["logprobs"] is True and chat["top_logprobs"] == 0
-    assert chat["chat_template_kwargs"] == {"reasoning_effort": "low"}
+    assert chat["reasoning_effort"] == "low"
     assert chat["stream_options"] == {"include_usage": True}
     P.ChatCompletionRequest.model_validate(chat)  # the chat endpoint's own validation
     for bad, param in [({"background": True}, "background"),
