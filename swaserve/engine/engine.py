@@ -7,6 +7,7 @@ import functools
 import itertools
 import logging
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,10 @@ from swaserve.sampling.generation_defaults import generation_defaults, sampling_
 from swaserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
+# Engines of this process not shut down yet (dropped ones leave by themselves). torch's cuBLAS
+# workspaces are shared: a live engine's CUDA graphs replay GEMMs that use the workspace of the
+# stream they were captured on, so a shutdown frees them only when no other engine lives.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def resolve_folder(model: str) -> Path:
@@ -124,6 +129,7 @@ class Engine:
             self.core = EngineCore(self.config, self.folder)
         self.tokenizer = load_tokenizer(self.folder, self.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
+        _LIVE.add(self)
         self.generation_defaults = generation_defaults(
             self.folder, self.config.generation_config, self.config.override_generation_config
         )
@@ -252,14 +258,17 @@ class Engine:
         if isinstance(core, _ShutDown):
             return
         self.core = _ShutDown(self.config.model)
+        _LIVE.discard(self)
         core.shutdown()
         del core
         release_heap("engine shutdown")
         import torch
 
         if torch.cuda.is_initialized():
-            # torch's per-stream cuBLAS workspaces: every graph capture's side stream left one
-            torch._C._cuda_clearCublasWorkspaces()
+            if not _LIVE:
+                # torch's per-stream cuBLAS workspaces: every graph capture's side stream left
+                # one; another live engine's graphs still use theirs (_LIVE)
+                torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:
