@@ -60,6 +60,9 @@ class EngineConfig:
     # Admission's reserve for running requests' decode growth (engine/scheduler.py): 0 admits
     # eagerly and preempts when short, 1 keeps their expected output's pages free.
     schedule_conservativeness: float = 1.0
+    # fcfs | priority: requests' `priority` orders admission and preemption
+    # (engine/scheduler.py), as vLLM's --scheduling-policy
+    scheduling_policy: str = "fcfs"
     # Offline generate()/chat(): the order a batch's requests queue in (engine/engine.py).
     offline_order: str = "longest_first"  # longest_first | arrival
     max_logprobs: int = 20
@@ -433,6 +436,12 @@ FLAGS: dict[str, FlagInfo] = {
         "scheduling",
         "share of running requests' expected output kept free at admission: 0 admits eagerly "
         "and preempts (recompute) when short, 1 avoids most preemptions",
+    ),
+    "scheduling_policy": FlagInfo(
+        "scheduling",
+        "fcfs: first come, first served; priority: requests' priority (lower first), then "
+        "arrival, orders admission and preemption",
+        ("fcfs", "priority"),
     ),
     "offline_order": FlagInfo(
         "scheduling",

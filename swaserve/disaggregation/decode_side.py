@@ -199,8 +199,7 @@ class DecodeSide:
             req.status = RequestStatus.FINISHED
             core._forget(req)
         else:
-            req.status = RequestStatus.RUNNING
-            core.scheduler.running.append(req)
+            core.scheduler.run(req)
         return out
 
     def _failed(self, key: str, message: str) -> None:

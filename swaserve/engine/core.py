@@ -20,6 +20,7 @@ from swaserve.engine.gc_heap import freeze_startup_heap
 from swaserve.engine.limits import (
     ContextLimit,
     check_model_len,
+    check_priority,
     check_prompt,
     check_token_ids,
     check_vocab_ids,
@@ -230,7 +231,7 @@ class EngineCore:
         self.cache = build_prefix_cache(config, self.memory, self.kv, tp)
         self.scheduler = Scheduler(
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache,
-            config.schedule_conservativeness,
+            config.schedule_conservativeness, config.scheduling_policy,
         )
         if self.parallel is None:
             self.runner = ModelRunner(self.model, self.kv, backend, self.device)
@@ -495,6 +496,7 @@ class EngineCore:
         """Validate a request (its prompt against the context, the token ids its params name,
         its grammar, compiled here and cached); returns the max_tokens to use."""
         check_vocab_ids(params, self.hf_config.vocab_size)
+        check_priority(params, self.config.scheduling_policy)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
         limit = ContextLimit(self.max_model_len, self.context_by_kv_pool)

@@ -88,6 +88,16 @@ def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
             )
 
 
+def check_priority(params: SamplingParams, policy: str) -> None:
+    """A request's priority means something only under --scheduling-policy priority (vLLM's
+    rule): PromptError naming `priority` otherwise."""
+    if params.priority != 0 and policy != "priority":
+        raise PromptError(
+            f"priority {params.priority} needs --scheduling-policy priority (this engine "
+            f"schedules {policy})", "priority",
+        )
+
+
 def check_prompt(
     limit: int | ContextLimit, num_prompt_tokens: int, params: SamplingParams
 ) -> int:

@@ -1,6 +1,14 @@
 """Continuous batching on token counts (vLLM v1's rule), FCFS, with chunked prefill and mixed
 prefill + decode steps under one token budget (`max_num_batched_tokens`).
 
+Policy `priority` (--scheduling-policy priority, vLLM's): each request's `priority` (lower
+first; SamplingParams) then its arrival orders both queues, where FCFS orders by arrival
+alone: the waiting queue (admission), the running list (who takes the budget first), and so
+the victim of a preemption, which is the last running request, now the lowest priority's
+newest. A preempted request goes back to its place in the waiting queue. As in vLLM, a waiting
+request never preempts a running one: a high-priority arrival waits for room like any other,
+but is admitted before everything queued below it.
+
 Each step: running requests first, in admission order (decodes take 1 token, unfinished
 prefills take the next chunk), then waiting requests while the budget, `max_num_seqs` and a
 joint fit of pages in every attention group allow. When a running request cannot get pages,
@@ -79,8 +87,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         cache: RadixCache | None = None,
         conservativeness: float = 1.0,
+        policy: str = "fcfs",
     ) -> None:
         self.memory = memory
+        # "priority": the queues ordered by (priority, arrival) (module docstring)
+        self.by_priority = policy == "priority"
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -101,7 +112,19 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        if self.by_priority:
+            _insert(self.waiting, req)
+        else:
+            self.waiting.append(req)
+
+    def run(self, req: Request) -> None:
+        """A request joins the running ones (admitted here, or its pages came from a prefill
+        instance: disaggregation/decode_side.py)."""
+        req.status = RequestStatus.RUNNING
+        if self.by_priority:
+            _insert(self.running, req)  # the budget and preemption follow the order
+        else:
+            self.running.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -223,8 +246,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self.run(req)
             if self._loading(req):
                 held = True
                 continue
@@ -404,7 +426,10 @@ class Scheduler:
         # The running requests grew more than expected: expect more from them from now on.
         self.new_token_ratio = min(1.0, max(INIT_NEW_TOKEN_RATIO, self.new_token_ratio + 0.2))
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            _insert(self.waiting, req)  # ahead of later arrivals of its priority
+        else:
+            self.waiting.appendleft(req)
         batch.preempted.append(req)
         log.info("preempted %s (recompute)", req.request_id)
 
@@ -417,6 +442,20 @@ class Scheduler:
         self.memory.retire_out_of_window(self.running)
         if self.cache is not None:
             self.cache.tidy()
+
+
+def _order(req: Request) -> tuple[int, float]:
+    return req.params.priority, req.arrival_time
+
+
+def _insert(queue: deque[Request] | list[Request], req: Request) -> None:
+    """Put `req` after every request that comes before or with it (`_order`): the queue stays
+    sorted, equal keys in insertion order."""
+    key = _order(req)
+    i = len(queue)
+    while i and _order(queue[i - 1]) > key:
+        i -= 1
+    queue.insert(i, req)
 
 
 def _decoding(req: Request) -> bool:

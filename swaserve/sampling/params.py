@@ -70,6 +70,9 @@ class SamplingParams:
     # structured_outputs they change nothing.
     reasoning_markers: list[int] | None = None
     reasoning_started: bool = False
+    # --scheduling-policy priority (engine/scheduler.py, vLLM's): lower runs first, ties by
+    # arrival; must stay 0 under fcfs
+    priority: int = 0
     # False: token ids only, no text (as vLLM's): saves the incremental detokenization's host
     # work per token (train-drafter's answers, benchmarks); stop strings then cannot be found
     detokenize: bool = True
@@ -97,6 +100,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 self._check_int(name, 0, MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None")
+        self._check_int("priority", -(2**63), 2**63 - 1, "must be an integer")
         if self.seed is not None:
             self._check_int("seed", _SEED_MIN, _SEED_MAX, "must be an integer in [-2**63, 2**64)")
 

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from swaserve.engine.limits import (
     ContextLimit,
     PromptError,
+    check_priority,
     check_prompt,
     check_token_ids,
     check_vocab_ids,
@@ -118,6 +119,7 @@ class ServerState:
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="swaserve-tokenize")
     )
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: a priority under fcfs is a 400
     # the model's generation_config defaults for fields a request leaves out
     # (sampling/generation_defaults.py: --generation-config)
     sampling_defaults: dict = field(default_factory=dict)
@@ -416,6 +418,7 @@ def _params(
         raise bad("seed + n - 1 must be below 2**64 (sample i uses seed + i)", "seed")
     try:
         check_vocab_ids(params, state.vocab_size)
+        check_priority(params, state.scheduling_policy)
     except PromptError as e:
         raise bad(str(e), e.param) from None
     if params.structured_outputs is not None:  # a bad grammar: a 400 here, not a core reject

@@ -357,6 +357,7 @@ async def _main(
             tool_parser=tool_parser,
             reasoning_parser=args.reasoning_parser,
             sampling_defaults=sampling_defaults or {},
+            scheduling_policy=config.scheduling_policy,
         )
         server = _server_class()(
             uvicorn.Config(

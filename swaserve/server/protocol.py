@@ -7,8 +7,9 @@ field not listed here is a 400 naming it (`suffix`, ... are never silently ignor
 `tools` and `tool_choice` are read by server/tools.py.
 Accepted beyond the OpenAI fields, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `min_tokens`, `stop_token_ids`, `allowed_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `structured_outputs`, `return_token_ids`, `prompt_logprobs`
-(completions) and `add_generation_prompt` (chat). A JSON null means "the default" everywhere.
+`include_stop_str_in_output`, `structured_outputs`, `return_token_ids`, `priority`,
+`prompt_logprobs` (completions) and `add_generation_prompt` (chat). A JSON null means "the
+default" everywhere.
 
 Logprobs follow each endpoint's OpenAI format: completions give parallel lists (`tokens`,
 `token_logprobs`, `top_logprobs`, `text_offset`), chat gives `content: [{token, logprob,
@@ -140,6 +141,7 @@ class _SamplingRequest(_TextRequest):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    priority: int | None = None  # vLLM's: with --scheduling-policy priority, lower runs first
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
@@ -184,6 +186,7 @@ class _SamplingRequest(_TextRequest):
             "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "priority": self.priority,
         }
         for k, v in (defaults or {}).items():
             if given.get(k) is None:

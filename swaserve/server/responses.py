@@ -7,7 +7,8 @@ whole or streamed, becomes a Response object or its events. vLLM serves the same
   `function_call_output` items (earlier tool calls and their results). `reasoning` items are
   skipped (earlier reasoning is not fed back, as in chat). Images, files and audio: a 400.
 - `instructions`: a system message in front. `max_output_tokens`, `temperature`, `top_p`,
-  `top_logprobs` (or `include: ["message.output_text.logprobs"]`) as in chat.
+  `top_logprobs` (or `include: ["message.output_text.logprobs"]`), and vLLM's `seed`, `top_k`,
+  `min_p`, `repetition_penalty` and `priority`, as in chat.
 - `tools`: function tools only (`{"type": "function", "name", "parameters", "strict"}`), with
   `tool_choice` and `parallel_tool_calls`, served as chat's (server/tools.py); calls come back
   as `function_call` output items.
@@ -81,6 +82,7 @@ class ResponsesRequest(_TextRequest):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    priority: int | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -210,6 +212,7 @@ def to_chat(
         "top_k": body.top_k,
         "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty,
+        "priority": body.priority,
         "user": body.user,
         "parallel_tool_calls": body.parallel_tool_calls,
         "tool_choice": _chat_tool_choice(body.tool_choice),

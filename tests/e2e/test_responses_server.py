@@ -135,6 +135,7 @@ def test_bad_requests_are_400s_naming_the_field(server):
         ({"input": "x", "tools": [{"type": "web_search_preview"}]}, "tools"),
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "priority": 1}, "priority"),  # the session server schedules fcfs
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n",
                                             "schema": {"type": "nope"}}}}, "text"),
     ]  # fmt: skip

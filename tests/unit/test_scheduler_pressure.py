@@ -48,7 +48,8 @@ def _engine(folder, num_pages: int | None = None, **kw) -> Engine:
         core.cache = build_prefix_cache(core.config, core.memory, core.kv)
         core.scheduler = Scheduler(core.memory, core.config.max_num_seqs,
                                    core.config.max_num_batched_tokens, core.cache,
-                                   core.config.schedule_conservativeness)
+                                   core.config.schedule_conservativeness,
+                                   core.config.scheduling_policy)
     return eng
 
 
