@@ -256,6 +256,18 @@ class Workload:
     conservativeness: float = 1.0
     notes: dict = field(default_factory=dict)
     spec: SpecChoice | None = None
+    policy: str = "fcfs"  # --scheduling-policy; "priority": the params carry priorities
+
+
+def with_priorities(w: Workload) -> Workload:
+    """A third of the workloads schedule by priority, each request's drawn in [-2, 2]: the
+    order changes, the outputs must not (the references run with priority 0). An rng of its
+    own, so that `draw`'s workloads (and the seeds that found bugs) stay what they were."""
+    rng = random.Random(w.seed * 7_368_787 + 3)
+    if rng.random() >= 1 / 3:
+        return w
+    params = [dataclasses.replace(p, priority=rng.randint(-2, 2)) for p in w.params]
+    return dataclasses.replace(w, policy="priority", params=params)
 
 
 def _pages_alone(windows: list[int | None], ps: int, tokens: int) -> int:
@@ -396,7 +408,7 @@ def build_engine(w: Workload, folder: Path, tmp: Path, models: Models) -> Engine
         model=str(folder), page_size=w.page_size, kv_cache_gb=_gb(w.num_pages, bpp),
         max_num_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
         disable_overlap_schedule=not w.overlap, schedule_conservativeness=w.conservativeness,
-        **_device_args(device), **kw,
+        scheduling_policy=w.policy, **_device_args(device), **kw,
     )
     assert eng.core.memory.pool.capacity == w.num_pages - 1, "pool sizing"
     if w.lag and device == "cpu":  # on CUDA the load stream lags for real
@@ -415,6 +427,7 @@ def _expected(models: Models, w: Workload, folder: Path, k: int, prompt: list[in
     """What a request must give: speculation off; a seeded sampling request under n-gram or
     DFlash drafting, the same speculation alone (whose greedy requests must equal off too:
     they run there as well, so that every DFlash draft has a reference)."""
+    params = dataclasses.replace(params, priority=0)  # the references schedule fcfs
     off = _reference(models.reference(folder), prompt, params)
     if w.spec is None or w.spec.algo == "oracle" or k == 0:  # 0: a budget of 1 drafts nothing
         return off
@@ -428,7 +441,7 @@ def _expected(models: Models, w: Workload, folder: Path, k: int, prompt: list[in
 def run_workload(seed: int, models: Models, tmp: Path, spec: bool = False) -> dict:
     """Run one workload (`spec`: with speculation, draw_spec); returns counters. Raises
     AssertionError naming the seed."""
-    w = draw_spec(seed) if spec else draw(seed)
+    w = with_priorities(draw_spec(seed) if spec else draw(seed))
     folder = models.folder(w.pattern, w.window)
     try:
         return _run(w, models, folder, tmp)
@@ -441,7 +454,7 @@ def _describe(w: Workload) -> str:
         f"pattern {''.join(w.pattern)} window {w.window} page {w.page_size} budget {w.budget} "
         f"seqs {w.max_num_seqs} pages {w.num_pages} host {w.host_pages} disk {w.disk} "
         f"wt {w.write_through} lag {w.lag} overlap {w.overlap} "
-        f"conservativeness {w.conservativeness} prompts {len(w.prompts)}"
+        f"conservativeness {w.conservativeness} policy {w.policy} prompts {len(w.prompts)}"
         + (f" spec {w.spec}" if w.spec is not None else "")
     )
 
