@@ -15,6 +15,8 @@ from typing import Any
 from swaserve.bench.serve import add_args as add_bench_serve_args
 from swaserve.config import FLAGS, GROUPS, EngineConfig
 from swaserve.sampling.params import SamplingParams
+from swaserve.server.reasoning import REASONING_PARSERS
+from swaserve.server.tool_parsers import PARSERS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> dict[str, Any]:
@@ -196,14 +198,15 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
                    help="most samples (n) per request (default: %(default)s)")
     g.add_argument(
         "--tool-call-parser", default="auto",
-        choices=["auto", "hermes", "llama3_json", "mistral", "pythonic"],
+        choices=["auto", *PARSERS],
         help="how tool_choice 'auto' finds tool calls in the model's answers; auto: the format "
         "the chat template's own tool calls use, if it has any (default: %(default)s)",
     )
     g.add_argument(
-        "--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-        help="split a thinking model's answers into reasoning_content (its <think> part) and "
-        "content (default: none, answers whole)",
+        "--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+        help="split a thinking model's answers into reasoning_content (its <think> part, or "
+        "gpt-oss's analysis channel) and content (default: openai_gptoss for a harmony chat "
+        "template, else none: answers whole)",
     )
     g.add_argument(
         "--enable-auto-tool-choice", action="store_true",

@@ -55,7 +55,7 @@ from swaserve.server.dp_client import DPClient
 from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull, RequestFailed
 from swaserve.server.metrics import CONTENT_TYPE, Metrics
 from swaserve.server.metrics_dp import RankedMetrics
-from swaserve.server.reasoning import ReasoningStream, get_reasoning_parser, grammar_markers
+from swaserve.server.reasoning import PieceStream, get_reasoning_parser, grammar_markers
 from swaserve.server.responses import (
     ResponseEvents,
     ResponsesError,
@@ -69,6 +69,7 @@ from swaserve.server.responses import (
     status_of,
     to_chat,
 )
+from swaserve.server.tool_parsers import SPECIAL_MARKERS
 from swaserve.server.tools import ToolDeltas, ToolError, ToolPlan, messages_for_template, plan_tools
 from swaserve.speculative.metrics import merge_spec
 
@@ -843,8 +844,7 @@ def _tool_plan(
     state: ServerState, body: P.ChatCompletionRequest, params: SamplingParams
 ) -> tuple[ToolPlan | None, SamplingParams]:
     """The request's tools (server/tools.py) and the params they change: the grammar of a
-    required or named call, or of "auto" calls with strict tools; special tokens kept for a
-    parser whose marker is one."""
+    required or named call, or of "auto" calls with strict tools."""
     try:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
     except ToolError as e:
@@ -870,9 +870,21 @@ def _tool_plan(
             check_syntax(params.structured_outputs)
         except ValueError as e:
             raise bad(f"tools: {e}", "tools") from None
-    if plan.mode == "auto" and plan.parser == "mistral" and body.skip_special_tokens is None:
-        params = replace(params, skip_special_tokens=False)  # [TOOL_CALLS] is a control token
     return plan, params
+
+
+def _keep_markers(
+    state: ServerState, body: P.ChatCompletionRequest, plan: ToolPlan | None, params: SamplingParams
+) -> SamplingParams:
+    """skip_special_tokens off, unless the request set it, where a parser reads markers that
+    are special tokens (the default would erase them): mistral's [TOOL_CALLS] for "auto" calls,
+    harmony's (openai_gptoss, and the openai tool-call parser) in every answer."""
+    if body.skip_special_tokens is not None:
+        return params
+    tools = plan is not None and plan.mode == "auto" and plan.parser in SPECIAL_MARKERS
+    name = state.reasoning_parser
+    reasoning = bool(name) and get_reasoning_parser(name).special_markers
+    return replace(params, skip_special_tokens=False) if tools or reasoning else params
 
 
 async def _chat(state: ServerState, body: P.ChatCompletionRequest, raw: Request) -> Response:
@@ -889,6 +901,7 @@ async def _chat_begin(
     """A chat request checked, rendered and started: its view, its queue and request ids."""
     params = _params(state, body)
     plan, params = _tool_plan(state, body, params)
+    params = _keep_markers(state, body, plan, params)
     prompt, ids = await _off_loop(state, _chat_prompt, state, body, plan)
     if state.reasoning_parser and params.structured_outputs is not None:
         # the grammar holds the content, after the reasoning (server/reasoning.py)
@@ -959,8 +972,10 @@ class _ChatView:
         self.state, self.body, self.params = state, body, params
         self.prompt_ids, self.id, self.created = prompt_ids, rid, created
         self.plan = plan  # the request's tools: the output's calls are read by it
-        # --reasoning-parser: each answer's reasoning goes to reasoning_content
-        self.reasoning = (get_reasoning_parser(state.reasoning_parser)
+        # --reasoning-parser: each answer's reasoning goes to reasoning_content; harmony's
+        # function calls go to the content only for the parser that reads them there
+        calls = plan is not None and plan.mode == "auto" and plan.parser == "openai"
+        self.reasoning = (get_reasoning_parser(state.reasoning_parser, calls)
                           if state.reasoning_parser else None)  # fmt: skip
         self.text = P.TokenText(state.tokenizer)
         self.token_ids = bool(body.return_token_ids)
@@ -1042,7 +1057,7 @@ class _ChatView:
         completion_tokens, cached = 0, 0
         spec: list[dict] = []
         tools: dict[int, ToolDeltas] = {}  # per choice, with a ToolPlan
-        thinking: dict[int, ReasoningStream] = {}  # per choice, with a reasoning parser
+        thinking: dict[int, PieceStream] = {}  # per choice, with a reasoning parser
         async for ev in events:
             if isinstance(ev, dict):
                 yield ev

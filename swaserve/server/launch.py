@@ -90,7 +90,7 @@ class ServerArgs:
     startup_timeout: float = READY_TIMEOUT_S  # seconds until every engine core is ready
     tool_call_parser: str = "auto"  # tool_choice "auto" (server/tools.py); auto: the template's
     enable_auto_tool_choice: bool = False  # vLLM's flag: no parser is then an error at start
-    reasoning_parser: str | None = None  # server/reasoning.py; None: answers whole
+    reasoning_parser: str | None = None  # server/reasoning.py; None: _reasoning_parser's
 
 
 def _tool_parser(args: ServerArgs, tokenizer: Any, chat_template: str | None) -> str | None:
@@ -108,6 +108,22 @@ def _tool_parser(args: ServerArgs, tokenizer: Any, chat_template: str | None) ->
     if parser is not None:
         log.info("tool_choice 'auto' reads tool calls with the %s parser", parser)
     return parser
+
+
+def _reasoning_parser(args: ServerArgs, tokenizer: Any, chat_template: str | None) -> str | None:
+    """--reasoning-parser, checked; without it openai_gptoss for a harmony chat template
+    (gpt-oss's: vLLM reads that format with no flag), else None (answers whole)."""
+    from swaserve.server.harmony import is_harmony_template
+    from swaserve.server.reasoning import get_reasoning_parser
+
+    if args.reasoning_parser:
+        get_reasoning_parser(args.reasoning_parser)  # a ValueError naming the choices
+        return args.reasoning_parser
+    if is_harmony_template(chat_template or getattr(tokenizer, "chat_template", None)):
+        log.info("the chat template is harmony's (gpt-oss): answers are read with the "
+                 "openai_gptoss reasoning parser")  # fmt: skip
+        return "openai_gptoss"
+    return None
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -233,6 +249,8 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
                      "them out): %s", describe(defaults))  # fmt: skip
         chat_template = read_chat_template(config.chat_template)
         tool_parser = _tool_parser(args, tokenizer, chat_template)
+        args = dataclasses.replace(
+            args, reasoning_parser=_reasoning_parser(args, tokenizer, chat_template))
         tmp = tempfile.mkdtemp(prefix="swaserve-ipc-")
         cores = _Cores()
         try:

@@ -17,6 +17,13 @@ output formats of common model families. One parser per format:
   keyword arguments of literal values, `[get_weather(city="Paris"), get_time(zone="CET")]`;
   read with `ast` (never evaluated), JSON's true/false/null taken too.
 
+- `openai` (gpt-oss, harmony format, server/harmony.py): messages among text; a message to a
+  function, `<|start|>assistant to=functions.NAME<|channel|>commentary<|constrain|>json
+  <|message|>ARGS<|call|>` (the recipient in the role or the channel part; `<|constrain|>`
+  optional; ended by `<|call|>`, `<|end|>`, `<|return|>`, a new message or the end of the
+  output) is a call, everything else content, as written. The `openai_gptoss` reasoning parser
+  hands it content in this form (reasoning and plain messages already taken out).
+
 A call is valid when its JSON parses to an object whose "name" is a string in `tool_names` and
 whose arguments ("arguments", else "parameters"; absent means `{}`) are a JSON object or a JSON
 string that holds one. `ParsedCall.arguments` is that object re-serialised with
@@ -31,6 +38,9 @@ What is content, and what an invalid call does:
   name, arguments not an object) stays in the content as its raw text, tags included. The
   content is the concatenation of every piece that is not a valid block (the text before, between
   and after blocks, and the invalid blocks), stripped.
+- `openai`, as vLLM's: every message to a function is a call, whatever the name; its arguments
+  are the message's text, re-serialised when it is JSON (any value), else as written but
+  stripped ("{}" when empty). Messages to other recipients and the text around calls are content.
 - `llama3_json`, `pythonic` and `mistral` are all or nothing: one invalid call (or anything
   else after the first `[TOOL_CALLS]` that is not a JSON array of calls, for mistral) makes the
   whole output content. For mistral the content beside calls is the text before the first
@@ -39,11 +49,13 @@ What is content, and what an invalid call does:
 Streaming (`ToolParser.stream()`): `feed(delta)` returns the events certain so far, in order, and
 `finish()` the rest; an event is a piece of content text or one complete `ParsedCall`, never
 taken back. Plain text is emitted as soon as it cannot be the start of a marker (a suffix that
-is a prefix of `<tool_call>` / `[TOOL_CALLS]` / `<|python_tag|>` is held back), and whitespace is
-held until non-whitespace content follows it (so content that ends up trailing is never sent).
+is a prefix of `<tool_call>` / `[TOOL_CALLS]` / `<|python_tag|>` / a harmony marker is held
+back), and whitespace is held until non-whitespace content follows it (so content that ends up
+trailing is never sent).
 Once a marker is seen the rest is buffered: a hermes block is judged at its `</tool_call>` (or
 at finish when unclosed); after a mistral `[TOOL_CALLS]`, and for llama3_json once the output
-(after whitespace) starts with `{` or `<|python_tag|>`, everything waits for `finish()`.
+(after whitespace) starts with `{` or `<|python_tag|>`, everything waits for `finish()`; an
+openai header waits for its `<|message|>`, a call for its end.
 
 The invariant, for every way of splitting a text into deltas: the calls of feed()+finish() are
 parse()'s calls, in order; and their str events joined equal parse()'s content (None as "")
@@ -59,6 +71,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from swaserve.server import harmony
 
 
 @dataclass(frozen=True)
@@ -513,11 +527,74 @@ class _MistralStream(ToolStream):
                 self._call(events, call)
 
 
+# --- openai (harmony) ------------------------------------------------------------------------
+
+
+def _openai_call(name: str, text: str) -> ParsedCall:
+    """A call to `name` with `text` as its arguments: JSON re-serialised, else stripped."""
+    try:
+        args = json.dumps(json.loads(text), ensure_ascii=False)
+    except _BAD_JSON:
+        args = text.strip() or "{}"
+    return ParsedCall(name, args)
+
+
+class OpenAIParser(ToolParser):
+    """Harmony messages to `functions.NAME` are calls; the rest is content as written."""
+
+    name = "openai"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        stream = self.stream()
+        events = stream.feed(text) + stream.finish()
+        calls = [e for e in events if isinstance(e, ParsedCall)]
+        return _content([e for e in events if isinstance(e, str)], calls, text), calls
+
+    def stream(self) -> ToolStream:
+        return _OpenAIStream(self.tool_names)
+
+
+class _OpenAIStream(ToolStream):
+    """The harmony events of the text (harmony.HarmonyStream, from outside any message): a
+    function's message is buffered and sent as a call when it ends; all else is content, each
+    piece as written (a header once it is whole)."""
+
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        super().__init__(tool_names)
+        self._messages = harmony.HarmonyStream(opening=False)
+        self._function: str | None = None  # inside a call: the function
+        self._args: list[str] = []
+
+    def _feed(self, delta: str, events: list[Event]) -> None:
+        self._read(self._messages.feed(delta), events)
+
+    def _finish(self, events: list[Event]) -> None:
+        self._read(self._messages.finish(), events)
+
+    def _read(self, messages: list[harmony.Event], events: list[Event]) -> None:
+        for kind, value in messages:
+            if kind == "header":
+                self._function = value.function
+                self._args = []
+                if self._function is None:
+                    self._text(events, value.raw)
+            elif self._function is None:  # text, an end marker, loose text: as written
+                self._text(events, value)
+            elif kind == "text":
+                self._args.append(value)
+            else:  # "end": the call is whole
+                self._call(events, _openai_call(self._function, "".join(self._args)))
+                self._function = None
+
+
 # --- registry --------------------------------------------------------------------------------
 
 PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+    cls.name: cls
+    for cls in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, OpenAIParser)
 }
+# Their markers are special tokens, which the default skip_special_tokens would erase.
+SPECIAL_MARKERS = frozenset({"mistral", "openai"})
 
 
 def get_parser(name: str, tool_names: set[str]) -> ToolParser:
@@ -530,10 +607,13 @@ def get_parser(name: str, tool_names: set[str]) -> ToolParser:
 
 def detect_parser(chat_template: str | None) -> str | None:
     """The parser that a chat template's own tool-call format implies, None when it shows none:
+    harmony's `<|channel|>` -> openai, `func_name1(` or `<|python_start|>` -> pythonic,
     `<tool_call>` -> hermes, `<|python_tag|>` or `ipython` -> llama3_json, `[TOOL_CALLS]` ->
     mistral (checked in that order)."""
     if not chat_template:
         return None
+    if harmony.is_harmony_template(chat_template):
+        return "openai"
     if "func_name1(" in chat_template or PYTHON_START in chat_template:  # before ipython
         return "pythonic"
     if HERMES_OPEN in chat_template:

@@ -29,8 +29,16 @@ R1 = {
     "</think>Just content": (None, "Just content"),
 }
 
+GPTOSS = {  # harmony (more in test_harmony.py)
+    "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
+    "4.<|return|>": ("Easy.", "4."),
+    "<|channel|>analysis<|message|>cut by max_tokens": ("cut by max_tokens", None),
+    '{"answer": 4}': (None, '{"answer": 4}'),  # no header: under a grammar from the start
+}
 
-@pytest.mark.parametrize(("name", "cases"), [("qwen3", QWEN3), ("deepseek_r1", R1)])
+
+@pytest.mark.parametrize(("name", "cases"),
+                         [("qwen3", QWEN3), ("deepseek_r1", R1), ("openai_gptoss", GPTOSS)])
 def test_split_and_stream_agree(name, cases):
     parser = get_reasoning_parser(name)
     rng = random.Random(0)

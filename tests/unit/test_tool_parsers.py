@@ -11,11 +11,13 @@ import random
 
 import pytest
 
+from swaserve.server.harmony import call_head
 from swaserve.server.tool_parsers import (
     PARSERS,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
+    OpenAIParser,
     ParsedCall,
     ToolParser,
     detect_parser,
@@ -31,6 +33,11 @@ S = ParsedCall("search", '{"q": "x", "n": 3}')
 
 def _hermes(*blocks: str) -> str:
     return "".join(f"<tool_call>\n{b}\n</tool_call>" for b in blocks)
+
+
+def _harmony(name: str, args: str, end: str = "<|call|>") -> str:
+    """A call in the canonical form that the openai_gptoss reasoning parser writes."""
+    return call_head(name) + args + end
 
 
 # --- hermes ----------------------------------------------------------------------------------
@@ -212,7 +219,7 @@ def test_deep_nesting_is_content_not_an_error(name):
 
 
 def test_registry():
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "openai"}
     for name, cls in PARSERS.items():
         p = get_parser(name, TOOLS)
         assert isinstance(p, cls) and isinstance(p, ToolParser) and p.name == name
@@ -230,6 +237,30 @@ def test_detect_parser():
     assert detect_parser("{{- '[TOOL_CALLS][' }}") == "mistral"
     assert detect_parser("[func_name1(params_name1=params_value1)] ipython") == "pythonic"
     assert detect_parser("{{- '<|python_start|>' }}") == "pythonic"
+    # gpt-oss's harmony template, checked first
+    assert detect_parser("{{- '<|start|>assistant<|channel|>final<|message|>' }} ipython") == (
+        "openai")
+
+
+# --- openai (harmony) ------------------------------------------------------------------------
+
+
+def test_openai_formats():
+    p = OpenAIParser(TOOLS)
+    assert p.parse(_harmony("get_weather", '{"city":"Paris"}')) == (None, [W])
+    assert p.parse("Let me check.\n" + _harmony("get_weather", '{"city": "Paris"}')
+                   + _harmony("search", '{"q": "x", "n": 3}', "<|end|>")) == ("Let me check.",
+                                                                            [W, S])  # fmt: skip
+    # the recipient in the channel part, a bare content type, no <|start|>; cut (no end)
+    raw = '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Paris"}'
+    assert p.parse(raw) == (None, [W])
+    # arguments that are not JSON stay as written; empty ones are {}
+    assert p.parse(_harmony("search", "q=x")) == (None, [ParsedCall("search", "q=x")])
+    assert p.parse(_harmony("search", "")) == (None, [ParsedCall("search", "{}")])
+    # other messages stay content as written (markers too: no reasoning parser took them)
+    other = "<|start|>assistant<|channel|>final<|message|>Hi<|end|>"
+    assert p.parse(other) == (other, [])
+    assert p.parse(other + _harmony("search", "{}")) == (other, [ParsedCall("search", "{}")])
 
 
 # --- streaming -------------------------------------------------------------------------------
@@ -276,6 +307,22 @@ SAMPLES: dict[str, list[str]] = {
         "[nope()]",
         "<|python_st",
         "[search(q='Zürich 🌍')]",
+    ],
+    "openai": [
+        "",
+        "Hello, world!",
+        "  a < b, <|sta and a stray <|end|> \n",
+        _harmony("get_weather", '{"city": "Paris"}'),
+        "Let me check.\n\n" + _harmony("get_weather", WEATHER) + _harmony("search", SEARCH),
+        "  " + _harmony("search", '{"q": "Zürich 🌍"}', "") + "\n",
+        "A " + _harmony("search", "not json", "<|end|>") + " B <|start|>assistant<|channel|>"
+        "final<|message|>C<|return|>",
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+        "<|channel|>analysis<|message|>No call.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Done.<|return|>",
+        "<|start|>assistant to=functions.search<|channel|>comm",  # a cut header: content
+        "x<|start|>a<|start|>b<|message|>c<|channel|>d to=functions.search<|message|>{}",
     ],
     "mistral": [
         "",
@@ -351,6 +398,14 @@ def test_stream_holds_marker_prefixes():
     s = Llama3JsonParser(TOOLS).stream()
     for ch in "  <|python_tag|>":
         assert s.feed(ch) == []
+
+    s = OpenAIParser(TOOLS).stream()
+    sent = []
+    for ch in "Ok " + _harmony("get_weather", '{"city": "Paris"}'):
+        sent += s.feed(ch)
+        assert not any(isinstance(e, str) and "<" in e for e in sent), sent
+    sent += s.finish()
+    assert "".join(e for e in sent if isinstance(e, str)) == "Ok" and sent[-1] == W
 
 
 def test_stream_sends_plain_text_early():

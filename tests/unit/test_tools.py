@@ -181,7 +181,8 @@ def test_enable_auto_tool_choice_without_a_parser_fails_at_start(capsys):
 
     rc = cli_main(["serve", "--device", "cpu", "--port", "0", "--enable-auto-tool-choice"])
     err = capsys.readouterr().err
-    assert rc == 2 and "--tool-call-parser (hermes, llama3_json, mistral, pythonic)" in err, err
+    assert rc == 2 and "--tool-call-parser (hermes, llama3_json, mistral, pythonic, openai)" \
+        in err, err
 
 
 # --- "auto" with strict tools: a structural tag in the parser's format -----------------------
