@@ -24,6 +24,7 @@ socket watched has one legitimate peer, so the first other DISCONNECTED means th
 from __future__ import annotations
 
 import itertools
+import time
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -73,6 +74,16 @@ class LinkWatch:
                 elif self._up[i]:
                     self._lost = True
         return self._lost
+
+    def wait_up(self, timeout: float) -> bool:
+        """Until every socket's connection completed its handshake (True), or `timeout`
+        seconds (False). The peer sees the connection, and so its loss, from then on."""
+        deadline = time.monotonic() + timeout
+        while not all(self._up):
+            if self.lost() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def close(self) -> None:
         """Before the sockets' context terminates (a monitor left open would block it)."""

@@ -54,6 +54,7 @@ log = logging.getLogger("swaserve.server")
 IPC_KEY = "swaserve/node_ipc/{}"
 CONTROL_KEY = "swaserve/node_control/{}"  # node k's control pipe (node 0 binds it)
 HELLO, FAILED = "hello", "failed"  # node k -> node 0, on the control pipe (msgpack)
+JOIN_TIMEOUT_S = 60.0  # node k's control pipe connects to node 0 within this, or node k fails
 NODE_POLL_S = 0.2  # node k looks at its cores this often
 
 
@@ -176,6 +177,13 @@ class NodeLink:
         self.sock.setsockopt(zmq.LINGER, 2000)  # what it said reaches node 0 before it exits
         self.link = attach([(self.sock, addr)], bind=False)
         self._send([HELLO, {"pid": os.getpid(), "host": socket.gethostname()}])
+        # ZMQ connects in the background: until the handshake is done, node 0 could not tell
+        # this node's death from slowness (it would wait out its ready timeout); so no core
+        # starts before it (a node killed right after starting its cores, under load, did that)
+        if self.link is not None and not self.link.wait_up(JOIN_TIMEOUT_S):
+            self.close()
+            raise RuntimeError(f"node {node} could not connect to node 0's control pipe at "
+                               f"{addr} within {JOIN_TIMEOUT_S:.0f} s")  # fmt: skip
 
     def report(self, reason: str) -> None:
         self._send([FAILED, reason])

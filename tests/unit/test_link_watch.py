@@ -122,3 +122,28 @@ def test_ipc_pipes_are_not_watched(tmp_path):
         assert client.link is None and not client.link_lost()
     finally:
         client.close()
+
+
+def test_wait_up_until_the_handshake():
+    """A connecting side can wait for its connection (node k before it starts its cores):
+    True once node 0's socket took it, False when nothing listens."""
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        link = link_watch.attach([(push, f"tcp://127.0.0.1:{port}")], bind=False)
+        assert link.wait_up(10.0) and not link.lost()
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = s.getsockname()[1]
+        lonely = ctx.socket(zmq.PUSH)
+        link2 = link_watch.attach([(lonely, f"tcp://127.0.0.1:{dead}")], bind=False)
+        t0 = time.monotonic()
+        assert not link2.wait_up(0.3) and time.monotonic() - t0 < 2.0
+        for lk in (link, link2):
+            lk.close()
+        for sock in (pull, push, lonely):
+            sock.close(linger=0)
+    finally:
+        ctx.term()
