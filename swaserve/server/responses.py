@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -511,6 +510,3 @@ class ResponseEvents:
             out += self._call(call)
         return out
 
-
-def now() -> int:
-    return int(time.time())
