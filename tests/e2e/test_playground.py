@@ -250,16 +250,9 @@ def _wait(driver, cond, timeout: float = 60.0, what: str = ""):
 @pytest.mark.slow
 def test_playground_streams_and_shows_the_kv_pool(server, browser, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.keys import Keys
 
     d = browser
-    d.get(server.url + "/")
-    # The server has a key: the page says so until it gets one.
-    _wait(d, lambda d: d.find_element("id", "status-text").text == "API key needed",
-          what="the page did not ask for the API key")
-    d.find_element("id", "api-key").send_keys(API_KEY, Keys.ENTER)
-    _wait(d, lambda d: MODEL in d.find_element("id", "model-info").text,
-          what="the key was not accepted")
+    _connect(d, server)  # the server has a key: the page asks for it until it gets one
     _wait(d, lambda d: _kv(d, "pages_total") > 0, what="the KV panel stayed empty")
     assert d.execute_script("return sessionStorage.getItem('swaserve.playground.apiKey')") == (
         API_KEY
@@ -419,6 +412,7 @@ _USAGE = {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
 
 
 def _connect(d, server) -> None:
+    """Open the page; it asks for the API key until it gets one and then shows the model."""
     from selenium.webdriver.common.keys import Keys
 
     d.get(server.url + "/")
