@@ -221,11 +221,20 @@ class _Pair:
             self.d.in_flight -= self.seqs
 
 
-async def forward(router: Router, path: str, raw: Request) -> Response:
+async def json_body(raw: Request) -> Any:
     try:
-        body = json.loads(await raw.body())
+        return json.loads(await raw.body())
     except (ValueError, UnicodeDecodeError):
         raise bad("the request body is not valid JSON") from None
+
+
+async def forward(router: Router, path: str, raw: Request) -> Response:
+    return await forward_body(router, path, await json_body(raw), raw)
+
+
+async def forward_body(router: Router, path: str, body: Any, raw: Request) -> Response:
+    """`body` (a client's request for `path`) through a pair: the decode instance's 200
+    answer (a StreamingResponse of its SSE bytes when body streams), else an APIError."""
     req = validate(path, body)
     keys, seqs = prompt_keys(req), num_sequences(req)
     tried: set[Instance] = set()  # instances this request could not reach

@@ -5,6 +5,7 @@ prefill/decode pairs (DESIGN §9.3).
     instance_pool.py   which instance of a role takes a request (prefix affinity, then load)
     prompt_keys.py     the prompt prefix that affinity keys on
     forward.py         one request through a pair: the two calls, retries, the relay
+    responses_route.py /v1/responses over the pairs' chat endpoint, stored responses kept here
 
 An instance that cannot be reached is marked down and probed again after a back-off (its
 /v1/disaggregation answering brings it back); a request that could not reach an instance goes
@@ -27,8 +28,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from swaserve.disaggregation.forward import forward
 from swaserve.disaggregation.instance_pool import Instance, InstancePool
-from swaserve.server.app import APIError, APIKeyMiddleware
+from swaserve.disaggregation.responses_route import respond
+from swaserve.server.app import APIError, APIKeyMiddleware, add_stored_response_routes
 from swaserve.server.metrics import CONTENT_TYPE
+from swaserve.server.responses import ResponseStore
 
 log = logging.getLogger("swaserve.router")
 INFO_TIMEOUT_S = 5.0
@@ -40,6 +43,7 @@ class Router:
         self.prefill = InstancePool(prefill, "prefill")
         self.decode = InstancePool(decode, "decode")
         self.api_key = api_key
+        self.responses = ResponseStore()  # /v1/responses stored here, whichever pair served
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
@@ -193,6 +197,12 @@ def build_router_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Response:
         return await forward(router, "/v1/chat/completions", raw)
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        return await respond(router, router.responses, raw)
+
+    add_stored_response_routes(app, router.responses)
 
     return app
 

@@ -62,11 +62,10 @@ from swaserve.server.responses import (
     ResponsesRequest,
     ResponseStore,
     assistant_turn,
+    from_completion,
     new_id,
-    output_items,
     response_object,
     responses_param,
-    status_of,
     to_chat,
 )
 from swaserve.server.tool_parsers import SPECIAL_MARKERS
@@ -304,19 +303,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         return await _responses(state, body, raw)
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict:
-        hit = state.responses.get(response_id)
-        if hit is None:
-            raise _no_response(response_id)
-        return hit[0]
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict:
-        if not state.responses.delete(response_id):
-            raise _no_response(response_id)
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
-
+    add_stored_response_routes(app, state.responses)
     _document_errors(app)
     return app
 
@@ -946,16 +933,29 @@ async def _responses(state: ServerState, body: ResponsesRequest, raw: Request) -
         events = ResponseEvents(start, done).stream(view.chunks(_events(state, queue, rids)))
         return _stream_response(events, state, rids)
     finals = await _collect(state, raw, queue, rids)
-    choice = view.response(finals[view.id])
-    usage = choice["usage"]
-    choice = choice["choices"][0]
-    response = start(status_of(choice["finish_reason"]), output_items(choice), usage)
+    response = from_completion(view.response(finals[view.id]), start)
     done(response)
     return JSONResponse(response)
 
 
-def _no_response(response_id: str) -> APIError:
-    return APIError(404, f"Response with id {response_id!r} not found.", "response_id")
+def add_stored_response_routes(app: FastAPI, store: ResponseStore) -> None:
+    """`GET` and `DELETE /v1/responses/{id}` on the responses kept in `store`."""
+
+    def missing(response_id: str) -> APIError:
+        return APIError(404, f"Response with id {response_id!r} not found.", "response_id")
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        hit = store.get(response_id)
+        if hit is None:
+            raise missing(response_id)
+        return hit[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        if not store.delete(response_id):
+            raise missing(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 class _ChatView:

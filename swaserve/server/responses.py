@@ -328,6 +328,13 @@ def status_of(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
+def from_completion(completion: dict[str, Any], start: Callable[[str, list, dict | None], dict]
+                    ) -> dict[str, Any]:
+    """A chat completion (n = 1) as the Response `start(status, output, usage)` builds."""
+    choice = completion["choices"][0]
+    return start(status_of(choice["finish_reason"]), output_items(choice), completion["usage"])
+
+
 def assistant_turn(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The output as the chat messages a later turn sends back (reasoning left out)."""
     text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])

@@ -78,6 +78,18 @@ def test_client_disconnect_frees_both_sides(pair):
     for srv in (prefill, decode):
         idle(srv)
     assert ok(router)["choices"][0]["finish_reason"] == "length"
+    # the same through /v1/responses, whose stream the router builds from the pair's chat one
+    with httpx.stream("POST", router.base_url + "/responses", headers=H, timeout=60,
+                      json={"input": "Once upon a time " * 40, "stream": True,
+                            "max_output_tokens": 1500}) as r:  # fmt: skip
+        assert r.status_code == 200
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        assert '"response.created"' in next(lines)
+        assert '"response.in_progress"' in next(lines)
+        assert '"error"' not in next(lines)  # the pair's first chunk reached the router
+    for srv in (prefill, decode):
+        idle(srv)
+    assert ok(router)["choices"][0]["finish_reason"] == "length"
 
 
 def test_stalled_prefill_times_out(pair):

@@ -4,7 +4,8 @@ backend) against one plain instance, through the official `openai` client. Greed
 logprobs and top-logprob tokens equal the plain instance's (completions and chat, streaming
 and not, n > 1, a seeded sampled request, prompts past the 512-token window); the bytes the
 transfer counters report equal full layers x prompt + sliding layers x last window, page
-rounded, and fewer on a decode-side prefix hit; pages all back at idle; the router's 400s.
+rounded, and fewer on a decode-side prefix hit; /v1/responses over the pair; pages all back
+at idle; the router's 400s.
 Faults (a killed or stalled instance, a client that leaves) are in test_disagg_faults.py;
 NIXL in test_disagg_nixl.py."""
 
@@ -240,6 +241,49 @@ def test_models_and_bench_serve_through_the_router(pd, tmp_path, capsys):
     assert rc == 0, cap.out + cap.err
     result = json.loads(out.read_text())
     assert result["completed"] == 4, result
+
+
+def test_responses_through_the_router(pd, single):
+    """/v1/responses at the router, over the pair's chat endpoint: the same answers as a plain
+    instance (whole and streamed), a conversation continued
+    by previous_response_id from the router's own store, retrieve and delete, and the 400s
+    naming the Responses field."""
+    r, s = client(pd[0]), client(single)
+    ask = dict(model=GEMMA, input=LONG + "Where does the river run?", max_output_tokens=12,
+               temperature=0, instructions="Answer briefly.")
+    a, b = r.responses.create(**ask), s.responses.create(**ask)
+    assert a.output_text == b.output_text and a.output_text
+    assert a.model == GEMMA and a.status == b.status
+    assert a.usage.input_tokens == b.usage.input_tokens > 512  # past the sliding window
+    assert a.usage.output_tokens == b.usage.output_tokens
+    events = list(r.responses.create(stream=True, **ask))
+    assert events[0].type == "response.created" and events[0].response.model == GEMMA
+    assert events[-1].type == f"response.{a.status}"  # completed, or incomplete when cut
+    final = events[-1].response
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == final.output_text == a.output_text
+    assert final.usage.output_tokens == a.usage.output_tokens
+    turn = dict(model=GEMMA, input="And what is under the bridge?", max_output_tokens=10,
+                temperature=0)
+    ra = r.responses.create(previous_response_id=final.id, **turn)  # stored by the router
+    rb = s.responses.create(previous_response_id=b.id, **turn)
+    assert ra.output_text == rb.output_text and ra.previous_response_id == final.id
+    assert ra.usage.input_tokens == rb.usage.input_tokens
+    assert r.responses.retrieve(a.id).output_text == a.output_text
+    r.responses.delete(a.id)
+    with pytest.raises(openai.NotFoundError):
+        r.responses.retrieve(a.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        r.responses.create(model=GEMMA, input="x", previous_response_id=a.id)
+    assert e.value.body["code"] == "previous_response_not_found"
+    for body, param in (({"input": "x", "frobnicate": 1}, "frobnicate"),
+                        ({"input": "x", "background": True}, "background"),
+                        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+                        ({"input": [{"type": "mystery"}]}, "input")):
+        got = httpx.post(pd[0].base_url + "/responses", json={"model": GEMMA, **body},
+                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        assert got.status_code == 400, (body, got.text)
+        assert got.json()["error"]["param"] == param, (body, got.text)
 
 
 def test_pages_all_back_at_idle(pd):
