@@ -25,6 +25,7 @@ from swaserve.engine.limits import (
     check_token_ids,
     check_vocab_ids,
     fit_context,
+    truncate_prompt,
 )
 from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import PLACEHOLDER, Request, RequestStatus
@@ -510,6 +511,7 @@ class EngineCore:
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params, self.max_model_len)
         check_token_ids(prompt_token_ids, self.hf_config.vocab_size)
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)
         gen = None

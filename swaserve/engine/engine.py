@@ -15,6 +15,7 @@ from typing import Any
 from swaserve.config import EngineConfig
 from swaserve.engine.core import EngineCore
 from swaserve.engine.gc_heap import release_heap
+from swaserve.engine.limits import truncate_prompt
 from swaserve.engine.output_processor import OutputProcessor
 from swaserve.outputs import RequestOutput
 from swaserve.sampling.generation_defaults import generation_defaults, sampling_fields
@@ -165,14 +166,18 @@ class Engine:
         add_generation_prompt: bool = True,
         use_tqdm: bool | None = None,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Chat completions of each conversation; `tools` (OpenAI's function tools) go to the
         chat template, as `apply_chat_template` says. The answers are text: calls in them are
-        for the caller to read (`swaserve.server.tool_parsers`), as with vLLM's LLM.chat."""
+        for the caller to read (`swaserve.server.tool_parsers`), as with vLLM's LLM.chat.
+        `continue_final_message`: each answer continues its conversation's last message (an
+        assistant prefill) instead of opening a new turn; needs add_generation_prompt=False."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [
-            self.apply_chat_template(c, chat_template, add_generation_prompt, tools=tools)
+            self.apply_chat_template(c, chat_template, add_generation_prompt, tools=tools,
+                                     continue_final_message=continue_final_message)
             for c in conversations
         ]
         # The template already holds the special tokens: encode without adding BOS again.
@@ -195,8 +200,9 @@ class Engine:
             raise ValueError("chat_stream takes n = 1")
         prompt = self.apply_chat_template(messages, chat_template, tools=tools)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        self.core.resolve_max_tokens(len(ids), params)  # a bad request fails before it is added
-        rid = self._add(prompt, ids, params, stream=True)
+        kept = self._truncated(ids, params)
+        self.core.resolve_max_tokens(len(kept), params)  # a bad request fails before it is added
+        rid = self._add(prompt, kept, params, stream=True)
         finished = False
         try:
             while not finished:
@@ -217,11 +223,15 @@ class Engine:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text of `messages`. With `tools`, as the server renders a chat request's
         tools (server/tools.py): through the template, or, for a template that never reads
         them, in a system message (with the call format the template's own tool format
         implies, if it implies one)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False: the "
+                             "answer either continues the last message or opens a new turn")
         tok = self._need_tokenizer()
         template = chat_template or self.config.chat_template
         if template and Path(template).is_file():
@@ -242,6 +252,7 @@ class Engine:
         return tok.apply_chat_template(
             messages, chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tools=plan.tools if plan is not None else None,
         )
 
@@ -314,6 +325,7 @@ class Engine:
         and when more requests wait than fit, the order given can start a long one late and
         leave it decoding alone at the end, a step's weights read for one row (SGLang's
         `lof` policy; the classic longest-processing-time-first rule for a makespan)."""
+        ids = [self._truncated(t, p) for t, p in zip(ids, params)]
         max_tokens = [self.core.resolve_max_tokens(len(t), p) for t, p in zip(ids, params)]
         order = list(range(len(ids)))
         if self.config.offline_order == "longest_first":
@@ -322,6 +334,10 @@ class Engine:
         for i in order:
             rids[i] = self._add(texts[i], ids[i], params[i])
         return rids
+
+    def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` keeps it (the same list when whole)."""
+        return truncate_prompt(ids, params, self.core.max_model_len)
 
     def _add(
         self, text: str | None, ids: list[int], params: SamplingParams, stream: bool = False

@@ -68,6 +68,16 @@ def fit_context(
     return ContextLimit(pool_tokens, by_kv_pool=True)
 
 
+def truncate_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt as the request's `truncate_prompt_tokens` keeps it (vLLM's left truncation):
+    its last k tokens, or its last max_model_len for -1; the whole prompt when not set."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids
+
+
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
     if any(not 0 <= t < vocab_size for t in ids):
         raise PromptError(f"prompt token ids must be in [0, {vocab_size})", "prompt")

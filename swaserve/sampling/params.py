@@ -73,6 +73,9 @@ class SamplingParams:
     # --scheduling-policy priority (engine/scheduler.py, vLLM's): lower runs first, ties by
     # arrival; must stay 0 under fcfs
     priority: int = 0
+    # vLLM's: k >= 1 keeps only the prompt's last k tokens (left truncation); -1 keeps the
+    # last max_model_len (engine/limits.py truncate_prompt); None keeps the whole prompt
+    truncate_prompt_tokens: int | None = None
     # False: token ids only, no text (as vLLM's): saves the incremental detokenization's host
     # work per token (train-drafter's answers, benchmarks); stop strings then cannot be found
     detokenize: bool = True
@@ -101,6 +104,10 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 self._check_int(name, 0, MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}] or None")
         self._check_int("priority", -(2**63), 2**63 - 1, "must be an integer")
+        if self.truncate_prompt_tokens is not None:
+            self._check_int("truncate_prompt_tokens", -1, None, "must be -1 or >= 1")
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be -1 or >= 1, got 0")
         if self.seed is not None:
             self._check_int("seed", _SEED_MIN, _SEED_MAX, "must be an integer in [-2**63, 2**64)")
 

@@ -46,6 +46,7 @@ from swaserve.engine.limits import (
     check_prompt,
     check_token_ids,
     check_vocab_ids,
+    truncate_prompt,
 )
 from swaserve.outputs import RequestOutput, merge_deltas
 from swaserve.sampling.params import SamplingParams
@@ -418,6 +419,15 @@ def _params(
     return params
 
 
+def _truncated(
+    state: ServerState, text: str | None, ids: list[int], params: SamplingParams
+) -> tuple[str | None, list[int]]:
+    """(text, ids) as truncate_prompt_tokens keeps the prompt; the text is dropped (decoded
+    again from the ids where needed, e.g. for echo) when the ids lost their beginning."""
+    kept = truncate_prompt(ids, params, state.max_model_len)
+    return (text, ids) if kept is ids else (None, kept)
+
+
 def _check_prompt(state: ServerState, ids: list[int], params: SamplingParams) -> None:
     """The engine's context rule, checked before anything starts (400 naming the limit)."""
     try:
@@ -604,6 +614,7 @@ async def _completions(state: ServerState, body: P.CompletionRequest, raw: Reque
             prompts.append((p, await _off_loop(state, _encode, state, p)))
         else:
             prompts.append((None, list(p)))
+    prompts = [_truncated(state, text, ids, params) for text, ids in prompts]
     for _, ids in prompts:
         _check_prompt(state, ids, params)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -732,6 +743,8 @@ class _CompletionView:
                 completion_tokens += len(co.token_ids)
                 choices.append(choice)
             if choices:
+                if self.body.continuous_usage:
+                    usage_field = {"usage": self._usage(completion_tokens, sum(cached.values()))}
                 yield _sse({**head, "choices": choices, **usage_field})
         else:
             usage = self._usage(completion_tokens, sum(cached.values()))
@@ -795,7 +808,12 @@ def _render_chat(
         )
     if not body.messages:
         raise bad("messages must not be empty", "messages")
-    add_gen = True if body.add_generation_prompt is None else body.add_generation_prompt
+    cont = bool(body.continue_final_message)
+    add_gen = not cont if body.add_generation_prompt is None else body.add_generation_prompt
+    if cont and add_gen:
+        raise bad("continue_final_message and add_generation_prompt cannot both be true: the "
+                  "answer either continues the last message or opens a new turn",
+                  "continue_final_message")  # fmt: skip
     messages = messages_for_template([m.to_template() for m in body.messages], plan, template)
     extra = dict(body.chat_template_kwargs or {})
     effort = getattr(body, "reasoning_effort", None)  # OpenAI's; gpt-oss's template reads it
@@ -813,6 +831,8 @@ def _render_chat(
             chat_template=template,
             tokenize=False,
             add_generation_prompt=add_gen,
+            continue_final_message=cont,
+            documents=body.documents,
             **extra,
         )
     except Exception as e:  # template errors depend on the user's messages: a 400
@@ -895,6 +915,7 @@ async def _chat_begin(
         markers, started = grammar_markers(get_reasoning_parser(state.reasoning_parser),
                                            prompt, state.tokenizer)  # fmt: skip
         params = replace(params, reasoning_markers=markers, reasoning_started=started)
+    _, ids = _truncated(state, prompt, ids, params)  # the text stays: it names the markers
     _check_prompt(state, ids, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -979,6 +1000,12 @@ class _ChatView:
                           if state.reasoning_parser else None)  # fmt: skip
         self.text = P.TokenText(state.tokenizer)
         self.token_ids = bool(body.return_token_ids)
+        # chat echo (vLLM's): the answer's content starts with the last message's when that
+        # is the assistant's own turn (the prefill continue_final_message continues)
+        last = body.messages[-1]
+        self.echo = ""
+        if body.echo and last.role == "assistant":
+            self.echo = last.to_template()["content"]
 
     def _lps(self, co: Any) -> dict | None:
         if self.params.logprobs is None:
@@ -998,6 +1025,8 @@ class _ChatView:
                 if calls:
                     message["tool_calls"] = calls
                 reason = self.plan.finish_reason(reason, bool(calls))
+            if self.echo:
+                message["content"] = self.echo + (message["content"] or "")
             c: dict[str, Any] = {
                 "index": co.index,
                 "message": message,
@@ -1038,6 +1067,8 @@ class _ChatView:
             "model": self.state.model_name,
         }
         usage_field = {"usage": None} if self.body.include_usage else {}
+        if self.body.continuous_usage:
+            usage_field = {"usage": P.usage(len(self.prompt_ids), 0, 0)}
         first = {
             **head,
             "choices": [
@@ -1054,6 +1085,10 @@ class _ChatView:
         if self.token_ids:
             first["prompt_token_ids"] = self.prompt_ids
         yield first
+        if self.echo:
+            yield {**head, "choices": [{"index": i, "delta": {"content": self.echo},
+                                        "logprobs": None, "finish_reason": None}
+                                       for i in range(self.params.n)], **usage_field}  # fmt: skip
         completion_tokens, cached = 0, 0
         spec: list[dict] = []
         tools: dict[int, ToolDeltas] = {}  # per choice, with a ToolPlan
@@ -1098,6 +1133,9 @@ class _ChatView:
                     c["token_ids"] = list(co.token_ids)
                 choices.append(c)
             if choices:
+                if self.body.continuous_usage:
+                    usage_field = {"usage": P.usage(len(self.prompt_ids), completion_tokens,
+                                                    cached)}  # fmt: skip
                 yield {**head, "choices": choices, **usage_field}
         usage = P.usage(len(self.prompt_ids), completion_tokens, cached)
         final = _final_chunk(head, self.body.include_usage, usage, spec)

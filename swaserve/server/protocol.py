@@ -8,7 +8,9 @@ field not listed here is a 400 naming it (`suffix`, ... are never silently ignor
 Accepted beyond the OpenAI fields, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `min_tokens`, `stop_token_ids`, `allowed_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`, `structured_outputs`, `return_token_ids`, `priority`,
-`prompt_logprobs` (completions) and `add_generation_prompt` (chat). A JSON null means "the
+`truncate_prompt_tokens`, `stream_options.continuous_usage_stats`, `prompt_logprobs`
+(completions) and `add_generation_prompt`, `continue_final_message`, `echo`, `documents`
+(chat). A JSON null means "the
 default" everywhere.
 
 Logprobs follow each endpoint's OpenAI format: completions give parallel lists (`tokens`,
@@ -37,6 +39,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool | None = None
 
 
 class JsonSchemaFormat(_Strict):
@@ -145,10 +149,16 @@ class _SamplingRequest(_TextRequest):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every stream chunk (vLLM's continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def _structured_outputs(self) -> dict[str, Any] | None:
         if self.response_format is not None and self.structured_outputs is not None:
@@ -187,6 +197,7 @@ class _SamplingRequest(_TextRequest):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "priority": self.priority,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         for k, v in (defaults or {}).items():
             if given.get(k) is None:
@@ -307,6 +318,14 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI's, for reasoning models: passed to the chat template as `reasoning_effort` (as
     # vLLM does; gpt-oss's template reads it), unless chat_template_kwargs sets it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's: the answer continues the last message (an assistant prefill) instead of opening
+    # a new turn (add_generation_prompt then defaults to false; true with it is a 400)
+    continue_final_message: bool | None = None
+    # vLLM's: the answer's content starts with the last message's when that is an assistant
+    # turn (with continue_final_message: the whole assistant message)
+    echo: bool | None = None
+    # vLLM's: documents for retrieval-augmented templates ({"title": ..., "text": ...} each)
+    documents: list[dict[str, str]] | None = None
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -328,6 +347,8 @@ class TokenizeRequest(_TextRequest):
     tools: list[ToolDef] | None = None  # rendered by the chat template, as for chat requests
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    documents: list[dict[str, str]] | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = None
 
