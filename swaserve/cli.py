@@ -223,6 +223,22 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
                    choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and the engine core (default: %(default)s)")
     g.add_argument(
+        "--disable-log-stats", action="store_true",
+        help="no periodic stats line (throughput, running and waiting requests, KV usage, "
+        "prefix hit rate) in the log (default: one every --log-stats-interval while busy)",
+    )
+    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                   help="seconds between stats lines (default: %(default)s)")
+    g.add_argument("--allowed-origins", type=json.loads, default=["*"], metavar="JSON",
+                   help="CORS: origins whose pages may call the API, a JSON list (default: "
+                   '["*"], any, as vLLM)')  # fmt: skip
+    g.add_argument("--allowed-methods", type=json.loads, default=["*"], metavar="JSON",
+                   help='CORS: allowed methods, a JSON list (default: ["*"])')
+    g.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
+                   help='CORS: allowed headers, a JSON list (default: ["*"])')
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies) in cross-origin requests")
+    g.add_argument(
         "--startup-timeout", type=float, default=900.0, metavar="S",
         help="seconds to wait for the engine cores to load and, over nodes, for the other "
         "nodes to join, before giving up (default: %(default)s)",
@@ -240,6 +256,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--startup-timeout must be > 0")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
+    if not args.log_stats_interval > 0:
+        raise ValueError("--log-stats-interval must be > 0 (--disable-log-stats turns it off)")
+    for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, flag)
+        if not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a JSON list of strings, "
+                             f"got {value!r}")
     server_args = ServerArgs(
         host=args.host, port=args.port, api_key=args.api_key, max_n=args.max_n,
         log_level=args.log_level, served_model_name=args.served_model_name,
@@ -247,6 +270,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
     )
     config = EngineConfig(**engine_kwargs(args))
     if config.disaggregation_mode:  # a missing transfer library fails now, not after loading

@@ -126,6 +126,7 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)
     # /v1/responses stored with store=true (server/responses.py): previous_response_id, GET
     responses: ResponseStore = field(default_factory=ResponseStore)
+    cors: CORS | None = None  # None: no CORS headers (browsers then call from this origin only)
 
     def serves(self, name: str) -> bool:
         """`name` is this server's model: the served name, or --model's value."""
@@ -197,6 +198,15 @@ def bad(message: str, param: str | None = None) -> APIError:
 _KEYED = ("/v1", "/tokenize", "/detokenize")  # paths the API key guards
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("swaserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 class APIKeyMiddleware:
     """`Authorization: Bearer KEY` on /v1/* and on /tokenize and /detokenize (work for the
     tokenizer thread); health and metrics stay open, as in vLLM."""
@@ -220,11 +230,31 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+@dataclass(frozen=True)
+class CORS:
+    """Which other origins' pages browsers let call the API (--allowed-origins, ... as vLLM's,
+    whose defaults allow any: a key, if set, is still needed)."""
+
+    origins: list[str]
+    methods: list[str]
+    headers: list[str]
+    credentials: bool = False
+
+    def add_to(self, app: FastAPI) -> None:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=self.origins,
+                           allow_methods=self.methods, allow_headers=self.headers,
+                           allow_credentials=self.credentials)  # fmt: skip
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="swaserve", description="OpenAI-compatible LLM server")
     app.state.server = state
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+    if state.cors is not None:  # added last, so outermost: preflights carry no key
+        state.cors.add_to(app)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -249,6 +279,14 @@ def build_app(state: ServerState) -> FastAPI:
         if state.client.dead is not None:
             return APIError(503, f"engine core is not running: {state.client.dead}").response()
         return JSONResponse({"status": "ok"})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # SageMaker's health path, as vLLM serves it
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -91,6 +91,12 @@ class ServerArgs:
     tool_call_parser: str = "auto"  # tool_choice "auto" (server/tools.py); auto: the template's
     enable_auto_tool_choice: bool = False  # vLLM's flag: no parser is then an error at start
     reasoning_parser: str | None = None  # server/reasoning.py; None: _reasoning_parser's
+    log_stats_interval: float = 10.0  # seconds between stats lines (server/stats_log.py); 0: off
+    # CORS (vLLM's flags and defaults): origins, methods and headers browsers may use
+    allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 def _tool_parser(args: ServerArgs, tokenizer: Any, chat_template: str | None) -> str | None:
@@ -308,7 +314,7 @@ async def _main(
 ) -> int:
     import uvicorn
 
-    from swaserve.server.app import ServerState, build_app
+    from swaserve.server.app import CORS, ServerState, build_app
     from swaserve.server.dp_client import DPClient
     from swaserve.server.ipc import CoreClient
     from swaserve.server.metrics import Metrics
@@ -320,6 +326,7 @@ async def _main(
         remote_pipes,
         watch_nodes,
     )
+    from swaserve.server.stats_log import log_stats
 
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
     metrics: Any = Metrics() if dp == 1 else RankedMetrics(dp)
@@ -376,6 +383,8 @@ async def _main(
             reasoning_parser=args.reasoning_parser,
             sampling_defaults=sampling_defaults or {},
             scheduling_policy=config.scheduling_policy,
+            cors=CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                      args.allow_credentials),
         )
         server = _server_class()(
             uvicorn.Config(
@@ -399,9 +408,10 @@ async def _main(
             freeze_startup_heap("frontend")  # streams allocate per token from now on
 
         server.on_started = on_started
-        watchdog = asyncio.get_running_loop().create_task(
-            _watchdog(cores, clients, client, server)
-        )
+        loop = asyncio.get_running_loop()
+        watchdog = loop.create_task(_watchdog(cores, clients, client, server))
+        stats = (loop.create_task(log_stats(metrics.registry, args.log_stats_interval))
+                 if args.log_stats_interval > 0 else None)  # fmt: skip
         try:
             await server.serve(sockets=[sock])
         except OSError as e:  # listen() failed: another process bound the port and listens
@@ -409,6 +419,8 @@ async def _main(
             return 1
         finally:
             watchdog.cancel()
+            if stats is not None:
+                stats.cancel()
         return 1 if client.dead is not None else 0
     finally:
         client.close()

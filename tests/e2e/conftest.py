@@ -216,6 +216,8 @@ def server(tmp_path_factory):
         "qwen3",
         "--log-level",
         "info",
+        "--log-stats-interval",  # the periodic stats line, soon enough for test_server_ops.py
+        "1",
     ]
     srv = RunningServer(args, tmp_path_factory.mktemp("server") / "server.log", API_KEY)
     try:
