@@ -237,7 +237,7 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
                    help='CORS: allowed headers, a JSON list (default: ["*"])')
     g.add_argument("--allow-credentials", action="store_true",
-                   help="CORS: allow credentials (cookies) in cross-origin requests")
+                   help="CORS: allow credentials (cookies) in cross-origin requests (default: off)")
     g.add_argument(
         "--startup-timeout", type=float, default=900.0, metavar="S",
         help="seconds to wait for the engine cores to load and, over nodes, for the other "
