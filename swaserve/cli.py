@@ -41,11 +41,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> dict[str, Any]:
             metavar=None if info.choices else f.name.upper(),
             help=f"{info.help} (default: {shown})".replace("%", "%%"),
         )
+    _add_vllm_flags(groups, p)
     return groups
 
 
+def _add_vllm_flags(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
+    """vLLM's common flags that swaserve spells otherwise or needs not, so that a vLLM command
+    line works as it is (engine_kwargs maps them)."""
+    g = groups["vLLM compatibility"] = p.add_argument_group("vLLM compatibility")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: --cuda-graph-max-bs 0 and "
+                        "--piecewise-cuda-graph-max-tokens 0 (default: off)")  # fmt: skip
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="--no-enable-prefix-caching is --disable-prefix-cache "
+                   "(default: on)")  # fmt: skip
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="accepted: prefills are always chunked by --max-num-batched-tokens "
+                        "(default: on)")  # fmt: skip
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted: swaserve never runs a model folder's own code (its model "
+                        "architectures are built in) (default: off)")  # fmt: skip
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted: swaserve does not log requests' contents (default: off)")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {f: getattr(args, f) for f in EngineConfig.field_names()}
+    kw = {f: getattr(args, f) for f in EngineConfig.field_names()}
+    if getattr(args, "enforce_eager", False):
+        kw["cuda_graph_max_bs"], kw["piecewise_cuda_graph_max_tokens"] = 0, 0
+    if getattr(args, "enable_prefix_caching", None) is False:
+        kw["disable_prefix_cache"] = True
+    return kw
 
 
 def _structured_outputs(args: argparse.Namespace) -> dict | None:
@@ -248,6 +274,12 @@ def add_server_args(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from swaserve.server.launch import ServerArgs, serve
 
+    if args.model_tag is not None:
+        default = EngineConfig.model
+        if args.model not in (default, args.model_tag):
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+
     if args.max_n < 1:
         raise ValueError("--max-n must be >= 1")
     if args.stream_interval < 1:
@@ -388,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it: the same as --model "
+                        "(default: --model's)")  # fmt: skip
     add_server_args(add_engine_args(s), s)
     s.set_defaults(func=cmd_serve)
 

@@ -33,7 +33,7 @@ class EngineConfig:
     page_size: int = 16
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.85
-    kv_cache_dtype: str = "auto"  # auto | fp8_e4m3
+    kv_cache_dtype: str = "auto"  # auto | fp8_e4m3 (| fp8, vLLM's name, normalised to it)
     kv_cache_scale: float | None = None  # fp8: one given scale for every layer; None: calibrate
     # cpu | torch | triton; None: triton on CUDA, else cpu (torch with --disable-fused-ops)
     attention_backend: str | None = None
@@ -116,6 +116,8 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", "must be >= 1")
         if self.page_size < 1:
             raise bad("page_size", "must be >= 1")
+        if self.kv_cache_dtype == "fp8":  # vLLM's name; e4m3 is what it means on CUDA
+            self.kv_cache_dtype = "fp8_e4m3"
         for name, info in FLAGS.items():
             value = getattr(self, name)
             none_ok = value is None and _DEFAULTS[name] is None  # None: the flag not given
@@ -398,7 +400,7 @@ FLAGS: dict[str, FlagInfo] = {
         default="none",
     ),
     # memory
-    "page_size": FlagInfo("memory", "tokens per KV page"),
+    "page_size": FlagInfo("memory", "tokens per KV page", alias="--block-size"),
     "kv_cache_gb": FlagInfo(
         "memory",
         "KV pool size in GiB, per tensor-parallel rank (each holds its share of the KV heads)",
@@ -410,8 +412,9 @@ FLAGS: dict[str, FlagInfo] = {
     ),
     "kv_cache_dtype": FlagInfo(
         "memory",
-        "KV element type: auto (the model's dtype) or fp8_e4m3, half the bytes",
-        ("auto", "fp8_e4m3"),
+        "KV element type: auto (the model's dtype) or fp8_e4m3, half the bytes (fp8: the "
+        "same, vLLM's name)",
+        ("auto", "fp8_e4m3", "fp8"),
     ),
     "kv_cache_scale": FlagInfo(
         "memory", "fp8_e4m3 KV: one scale for every layer", default="calibrated at start"

@@ -70,8 +70,9 @@ def test_help_lists_every_flag_in_its_group_with_default_and_choices(
     monkeypatch.setenv("COLUMNS", "100")
     monkeypatch.setenv("SWASERVE_API_KEY", "sk-secret-never-shown")
     sections = _help_sections(argv, capsys)
-    titles = [t for t in sections if t != "options"]
-    assert titles == [*GROUPS, own_group]  # the groups, in order, then the command's own
+    titles = [t for t in sections if t not in ("options", "positional arguments")]
+    # the groups, in order, vLLM's flag names, then the command's own
+    assert titles == [*GROUPS, "vLLM compatibility", own_group]
     for name, info in FLAGS.items():
         entry = sections[info.group].get(_flag(name))
         assert entry is not None, f"{_flag(name)} not under {info.group!r}"
@@ -110,3 +111,27 @@ def test_bad_gguf_error_names_the_file(
         assert notice.startswith(f"swaserve: converting {path.name} into "), notice
         assert len(lines) == 1 and lines[0].startswith(f"error: {path}: not a readable GGUF"), lines
     assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_a_vllm_command_line_works(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`swaserve serve MODEL` with vLLM's common flags: the model as a positional argument,
+    --enforce-eager, --no-enable-prefix-caching, --block-size, --kv-cache-dtype fp8 and the
+    flags swaserve needs not, mapped to swaserve's own."""
+    import swaserve.server.launch as launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "serve", lambda config, args: seen.update(config=config) or 0)
+    assert main(["serve", "gemma-3-270m", "--enforce-eager", "--no-enable-prefix-caching",
+                 "--block-size", "32", "--kv-cache-dtype", "fp8", "--trust-remote-code",
+                 "--enable-chunked-prefill", "--disable-log-requests", "-tp", "1"]) == 0
+    c = seen["config"]
+    assert c.model == "gemma-3-270m" and c.page_size == 32 and c.kv_cache_dtype == "fp8_e4m3"
+    assert c.cuda_graph_max_bs == 0 and c.piecewise_cuda_graph_max_tokens == 0
+    assert c.disable_prefix_cache
+    assert main(["serve", "--model", "gemma-3-270m", "--enable-prefix-caching"]) == 0
+    assert seen["config"].model == "gemma-3-270m" and not seen["config"].disable_prefix_cache
+    assert seen["config"].cuda_graph_max_bs is None  # the defaults, unless --enforce-eager
+    assert main(["serve", "gemma-3-270m", "--model", "smollm2-135m"]) != 0
+    assert "two models given" in capsys.readouterr().err
