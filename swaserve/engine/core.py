@@ -77,10 +77,11 @@ class _Launched:
 
 
 def _needs_history(p: SamplingParams) -> bool:
-    """Penalties and grammars read the values of earlier output tokens (placeholders have
-    none)."""
+    """Penalties, grammars and bad words of several tokens read the values of earlier output
+    tokens (placeholders have none)."""
     return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0 or p.structured_outputs is not None)
+            or p.presence_penalty != 0.0 or p.structured_outputs is not None
+            or any(len(w) > 1 for w in p.bad_words_token_ids or ()))
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
@@ -511,6 +512,9 @@ class EngineCore:
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError("bad_words reach the engine core as token ids: resolve them with "
+                             "the tokenizer first (sampling/bad_words.py resolve_bad_words)")
         prompt_token_ids = truncate_prompt(prompt_token_ids, params, self.max_model_len)
         check_token_ids(prompt_token_ids, self.hf_config.vocab_size)
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params)

@@ -18,6 +18,7 @@ from swaserve.engine.gc_heap import release_heap
 from swaserve.engine.limits import truncate_prompt
 from swaserve.engine.output_processor import OutputProcessor
 from swaserve.outputs import RequestOutput
+from swaserve.sampling.bad_words import resolve_bad_words
 from swaserve.sampling.generation_defaults import generation_defaults, sampling_fields
 from swaserve.sampling.params import SamplingParams
 
@@ -195,7 +196,8 @@ class Engine:
         """One conversation's answer as it is generated: the text of each step's new tokens
         (text a stop string may begin is held back until it is known). Closing the iterator
         early (a `break`, Ctrl-C) aborts the request. One sample: n must be 1."""
-        params = sampling_params or self.default_sampling_params()
+        params = resolve_bad_words(sampling_params or self.default_sampling_params(),
+                                   self.tokenizer)
         if params.n != 1:
             raise ValueError("chat_stream takes n = 1")
         prompt = self.apply_chat_template(messages, chat_template, tools=tools)
@@ -309,10 +311,10 @@ class Engine:
         if sp is None:
             return [self.default_sampling_params()] * n
         if isinstance(sp, SamplingParams):
-            return [sp] * n
+            return [resolve_bad_words(sp, self.tokenizer)] * n
         if len(sp) != n:
             raise ValueError(f"{len(sp)} sampling_params for {n} prompts")
-        return list(sp)
+        return [resolve_bad_words(p, self.tokenizer) for p in sp]
 
     def _add_batch(
         self, texts: list, ids: list[list[int]], params: list[SamplingParams]

@@ -89,7 +89,9 @@ def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
     for name, ids in (("stop_token_ids", params.stop_token_ids),
                       ("logit_bias", params.logit_bias or ()),
                       ("allowed_token_ids", params.allowed_token_ids or ()),
-                      ("reasoning_markers", params.reasoning_markers or ())):  # fmt: skip
+                      ("reasoning_markers", params.reasoning_markers or ()),
+                      ("bad_words", [t for w in params.bad_words_token_ids or () for t in w]),
+                      ):  # fmt: skip
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise PromptError(

@@ -56,6 +56,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: sample only among these token ids (the others' logits at -inf)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output never contains (sampling/bad_words.py). The frontend, which
+    # has the tokenizer, fills bad_words_token_ids (the token sequences spelling them); the
+    # engine core reads only those.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     # The output held to a grammar (sampling/structured.py): exactly one of {"json": schema},
     # {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": EBNF},
     # {"structural_tag": ...} (vLLM's `structured_outputs`); the server maps OpenAI's
@@ -122,6 +127,20 @@ class SamplingParams:
                     f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}"
                 )
             self.allowed_token_ids = sorted(set(ids))
+        if self.bad_words is not None:
+            w = self.bad_words
+            if not (isinstance(w, (list, tuple)) and all(isinstance(x, str) and x.strip()
+                                                         for x in w)):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {w!r}")
+            self.bad_words = list(w)
+        if self.bad_words_token_ids is not None:
+            w = self.bad_words_token_ids
+            if not (isinstance(w, (list, tuple)) and all(
+                    isinstance(x, (list, tuple)) and x and all(_is_int(t) and 0 <= t < 2**63
+                                                               for t in x) for x in w)):
+                raise ValueError("bad_words_token_ids must be a list of non-empty token id "
+                                 f"lists, got {w!r}")
+            self.bad_words_token_ids = [list(x) for x in w]
         self.structured_outputs = normalise_structured(self.structured_outputs)
         if self.reasoning_markers is not None:
             m = self.reasoning_markers
@@ -211,8 +230,10 @@ class SamplingParams:
 
     @property
     def edits_logits(self) -> bool:
-        """A logit bias or an allowed set: its argmax is not the raw logits' (as penalties)."""
-        return self.logit_bias is not None or self.allowed_token_ids is not None
+        """A logit bias, an allowed set or bad words: its argmax is not the raw logits' (as
+        penalties)."""
+        return (self.logit_bias is not None or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids))
 
     @property
     def has_penalties(self) -> bool:

@@ -9,7 +9,8 @@ Processing order (vLLM's):
         ├─ logit bias           (OpenAI's logit_bias: a value added to chosen tokens' logits)
         ├─ repetition penalty   (prompt + output tokens; HF: divide positive, multiply negative)
         ├─ frequency/presence   (output tokens; OpenAI: logit -= f * count + p * [count > 0])
-        ├─ min_tokens           (eos / stop ids at -inf while fewer than min_tokens outputs)
+        ├─ min_tokens, bad words (eos / stop ids at -inf while fewer than min_tokens
+        │                        outputs; the token that would complete a bad word)
         │                        ──► greedy rows: argmax here
         ├─ temperature
         ├─ top-k, top-p, min-p  (masked tokens at -inf)
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from swaserve.sampling.bad_words import banned_tokens
 from swaserve.sampling.logprobs import compute_logprobs
 from swaserve.sampling.params import SamplingParams
 from swaserve.sampling.structured import apply_token_bitmask, keep_only
@@ -121,7 +123,8 @@ class SamplingTensors:
     frequency_penalty: Tensor | None  # [B] float32
     presence_penalty: Tensor | None  # [B] float32
     output_counts: Tensor | None  # [B, V] float32: occurrences in the output so far
-    min_tokens_fill: Tensor | None  # flat indices into logits.view(-1) to set to -inf
+    # flat indices into logits.view(-1) to set to -inf: min_tokens' stop ids, bad words
+    min_tokens_fill: Tensor | None
     seeded_rows: list[tuple[int, torch.Generator]]  # random rows with their own generator
     any_unseeded_random: bool
     all_greedy: bool
@@ -192,9 +195,12 @@ class SamplingTensors:
                 rep_rows.append(i)
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 freq_pres_rows.append(i)
+            banned = set()
             if len(row.output_token_ids) < p.min_tokens:
                 banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | eos
-                min_tokens_fill.extend(i * V + t for t in sorted(banned) if 0 <= t < V)
+            if p.bad_words_token_ids:
+                banned |= banned_tokens(p.bad_words_token_ids, row.output_token_ids)
+            min_tokens_fill.extend(i * V + t for t in sorted(banned) if 0 <= t < V)
             if p.logprobs is not None:
                 max_num_logprobs = max(max_num_logprobs or 0, p.logprobs)
 

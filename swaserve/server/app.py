@@ -49,6 +49,7 @@ from swaserve.engine.limits import (
     truncate_prompt,
 )
 from swaserve.outputs import RequestOutput, merge_deltas
+from swaserve.sampling.bad_words import resolve_bad_words
 from swaserve.sampling.params import SamplingParams
 from swaserve.sampling.structured import check_syntax
 from swaserve.server import protocol as P
@@ -426,6 +427,7 @@ def _params(
         raise bad("stream_options is only allowed with stream=true", "stream_options")
     try:
         params = body.sampling_params(state.sampling_defaults)
+        params = resolve_bad_words(params, state.tokenizer)
     except ValueError as e:
         raise bad(str(e), P.param_of(str(e))) from None
     if params.n > state.max_n:

@@ -8,7 +8,7 @@ field not listed here is a 400 naming it (`suffix`, ... are never silently ignor
 Accepted beyond the OpenAI fields, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `min_tokens`, `stop_token_ids`, `allowed_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`, `structured_outputs`, `return_token_ids`, `priority`,
-`truncate_prompt_tokens`, `stream_options.continuous_usage_stats`, `prompt_logprobs`
+`truncate_prompt_tokens`, `bad_words`, `stream_options.continuous_usage_stats`, `prompt_logprobs`
 (completions) and `add_generation_prompt`, `continue_final_message`, `echo`, `documents`
 (chat). A JSON null means "the
 default" everywhere.
@@ -150,6 +150,7 @@ class _SamplingRequest(_TextRequest):
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
+    bad_words: list[str] | None = None  # vLLM's: words the output never contains
 
     @property
     def include_usage(self) -> bool:
@@ -198,6 +199,7 @@ class _SamplingRequest(_TextRequest):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "priority": self.priority,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "bad_words": self.bad_words,
         }
         for k, v in (defaults or {}).items():
             if given.get(k) is None:

@@ -100,3 +100,19 @@ def test_continuous_usage_stats(server, path):
     assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in seen)
     plain = sse(server, path, {**body, "stream_options": {"include_usage": True}})
     assert all(c["usage"] is None for c in plain[:-1])
+
+
+def test_bad_words(client, server):
+    prompt = "Write about the Mississippi river and Massachusetts:"
+    ref = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    words = ref.choices[0].text.split()
+    word = next(w for w in words[1:] if w.isalpha())
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"bad_words": [word]})
+    assert word not in out.choices[0].text.split() and out.choices[0].text != ref.choices[0].text
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4,
+        temperature=0, extra_body={"bad_words": [word]})
+    assert chat.choices[0].message.content is not None
+    r = post(server, "/v1/completions", {"prompt": prompt, "bad_words": ["ok", " "]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
