@@ -291,14 +291,16 @@ class Attention(nn.Module):
         qk_norm_eps: float | None = None,
         qk_norm_unit_offset: bool = False,
         sinks: bool = False,
+        o_bias: bool | None = None,
     ) -> None:
+        """`bias`: q/k/v (and o, unless `o_bias` says otherwise: Qwen2 biases q/k/v only)."""
         super().__init__()
         self.spec = spec
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_proj = nn.Linear(hidden, h * d, bias=bias)
         self.k_proj = nn.Linear(hidden, kvh * d, bias=bias)
         self.v_proj = nn.Linear(hidden, kvh * d, bias=bias)
-        self.o_proj = nn.Linear(h * d, hidden, bias=bias)
+        self.o_proj = nn.Linear(h * d, hidden, bias=bias if o_bias is None else o_bias)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(d, qk_norm_eps, qk_norm_unit_offset)
             self.k_norm = RMSNorm(d, qk_norm_eps, qk_norm_unit_offset)

@@ -1,4 +1,5 @@
-"""Gemma 3 text: sliding/full `layer_types` with per-kind rope, q/k norms, sandwich norms,
+"""Gemma 3 text (and Gemma 2: the same layer without q/k norms, attention soft-capped; see
+Gemma2ForCausalLM): sliding/full `layer_types` with per-kind rope, q/k norms, sandwich norms,
 `query_pre_attn_scalar`, (1 + w) RMSNorm, tied embeddings scaled by sqrt(hidden), and
 soft-capping of the final logits when configured (attention soft-capping: see below)."""
 
@@ -27,7 +28,9 @@ from swaserve.models.blocks import (
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, window: int | None, layer_type: str) -> None:
+    def __init__(
+        self, config: Any, layer_id: int, window: int | None, layer_type: str, gemma2: bool
+    ) -> None:
         super().__init__()
         hd = head_dim_of(config)
         eps = config.rms_norm_eps
@@ -39,8 +42,8 @@ class Gemma3DecoderLayer(nn.Module):
             scale=config.query_pre_attn_scalar**-0.5,
             window=window,
             # Gemma 3 keeps `attn_logit_softcapping` in its config but the reference
-            # implementation never applies it (Gemma 2 did); match the reference.
-            softcap=None,
+            # implementation never applies it; Gemma 2's does.
+            softcap=getattr(config, "attn_logit_softcapping", None) if gemma2 else None,
         )
         rotary = Rotary(
             rope_inv_freq(config, hd, layer_type), rope_attention_scaling(config, layer_type)
@@ -50,7 +53,7 @@ class Gemma3DecoderLayer(nn.Module):
             config.hidden_size,
             rotary,
             bias=getattr(config, "attention_bias", False),
-            qk_norm_eps=eps,
+            qk_norm_eps=None if gemma2 else eps,  # Gemma 2 has no q/k norms
             qk_norm_unit_offset=True,
         )
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
@@ -77,13 +80,15 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    gemma2 = False
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         types = layer_type_names(config)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, w, types[i])
+            Gemma3DecoderLayer(config, i, w, types[i], self.gemma2)
             for i, w in enumerate(layer_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
@@ -103,10 +108,12 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    model_class = Gemma3Model
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = Gemma3Model(config)
+        self.model = self.model_class(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -120,3 +127,15 @@ class Gemma3ForCausalLM(nn.Module):
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+class Gemma2Model(Gemma3Model):
+    gemma2 = True
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's layer without q/k norms, with attention logits soft-capped
+    (`attn_logit_softcapping`, 50) and one rope for both layer kinds; alternating sliding and
+    full layers (its `layer_types`) and final-logit soft-capping (30) as in Gemma 3's config."""
+
+    model_class = Gemma2Model

@@ -1,6 +1,7 @@
 """Llama family (SmolLM2, Llama 3): pre-norm decoder, rotary, SiLU-gated MLP.
 
-Qwen3 and Mistral reuse this file's layer with small switches (see qwen3.py, mistral.py).
+Qwen2, Qwen3 and Mistral reuse this file's layer with small switches (qwen2.py, qwen3.py,
+mistral.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from swaserve.models.blocks import (
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, window: int | None, qk_norm: bool) -> None:
+    def __init__(
+        self, config: Any, layer_id: int, window: int | None, qk_norm: bool, qkv_bias: bool
+    ) -> None:
         super().__init__()
         hd = head_dim_of(config)
         spec = AttentionSpec(
@@ -44,8 +47,9 @@ class LlamaDecoderLayer(nn.Module):
             spec,
             config.hidden_size,
             rotary,
-            bias=getattr(config, "attention_bias", False),
+            bias=getattr(config, "attention_bias", False) or qkv_bias,
             qk_norm_eps=config.rms_norm_eps if qk_norm else None,
+            o_bias=getattr(config, "attention_bias", False),
         )
         self.mlp = GatedMLP(
             config.hidden_size,
@@ -109,11 +113,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool = False) -> None:
+    def __init__(self, config: Any, qk_norm: bool = False, qkv_bias: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, w, qk_norm) for i, w in enumerate(layer_windows(config))
+            LlamaDecoderLayer(config, i, w, qk_norm, qkv_bias)
+            for i, w in enumerate(layer_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Steps of at most this many tokens take the decode GEMV path (`forward_gemv`); set by
@@ -155,12 +160,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    qk_norm = False
+    qk_norm = False  # per-head RMSNorm on q and k (Qwen3)
+    qkv_bias = False  # q/k/v projections with bias, o without (Qwen2)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, qk_norm=self.qk_norm)
+        self.model = LlamaModel(config, qk_norm=self.qk_norm, qkv_bias=self.qkv_bias)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

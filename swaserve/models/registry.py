@@ -9,7 +9,9 @@ from torch import nn
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("swaserve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("swaserve.models.mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("swaserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("swaserve.models.qwen3", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("swaserve.models.gemma3", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("swaserve.models.gemma3", "Gemma3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("swaserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("swaserve.models.gpt_oss", "GptOssForCausalLM"),
@@ -18,7 +20,9 @@ _MODELS: dict[str, tuple[str, str]] = {
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",

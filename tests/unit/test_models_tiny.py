@@ -31,6 +31,13 @@ def _configs() -> dict:
         ),
         "llama_tied": t.LlamaConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=True),
         "qwen3": t.Qwen3Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=False),
+        # Qwen2.5's biased q/k/v; sliding from layer 1 on (use_sliding_window, max_window_layers)
+        "qwen2": t.Qwen2Config(**COMMON, num_hidden_layers=3, tie_word_embeddings=False,
+                               use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        # Gemma 2: alternating sliding/full layers, attention and final logits soft-capped
+        "gemma2": t.Gemma2Config(**COMMON, num_hidden_layers=4, sliding_window=5,
+                                 query_pre_attn_scalar=16, attn_logit_softcapping=4.0,
+                                 final_logit_softcapping=3.0),
         "mistral": t.MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=7),
         "gemma3": t.Gemma3TextConfig(
             **COMMON, num_hidden_layers=6, layer_types=sliding, sliding_window=5,
