@@ -94,7 +94,9 @@ def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None) -> torch.T
     also scales cos/sin: `rope_attention_scaling`)."""
     p = _rope_params(config, layer_type)
     base = float(p["rope_theta"])
-    dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    # transformers v5 keeps the partial factor in rope_parameters, v4 on the config
+    dim = int(head_dim * p.get("partial_rotary_factor",
+                               getattr(config, "partial_rotary_factor", 1.0)))
     steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
     inv = 1.0 / (base ** (steps / dim))
     kind = p.get("rope_type", "default")

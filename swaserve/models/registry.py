@@ -9,6 +9,9 @@ from torch import nn
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("swaserve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("swaserve.models.mistral", "MistralForCausalLM"),
+    # Ministral: Mistral with per-layer `layer_types` (read by blocks.layer_windows)
+    "MinistralForCausalLM": ("swaserve.models.mistral", "MistralForCausalLM"),
+    "Phi3ForCausalLM": ("swaserve.models.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("swaserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("swaserve.models.qwen3", "Qwen3ForCausalLM"),
     "Gemma2ForCausalLM": ("swaserve.models.gemma3", "Gemma2ForCausalLM"),
@@ -20,6 +23,8 @@ _MODELS: dict[str, tuple[str, str]] = {
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",

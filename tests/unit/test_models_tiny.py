@@ -34,6 +34,15 @@ def _configs() -> dict:
         # Qwen2.5's biased q/k/v; sliding from layer 1 on (use_sliding_window, max_window_layers)
         "qwen2": t.Qwen2Config(**COMMON, num_hidden_layers=3, tie_word_embeddings=False,
                                use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        # Phi-4-mini's partial rotary; fused q|k|v and gate|up in the checkpoint; every layer
+        # sliding (Phi-3-mini-4k's window, scaled down)
+        "phi3": t.Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=6, pad_token_id=0,
+                             bos_token_id=1, eos_token_id=2,
+                             tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.75}),
+        "ministral": t.MinistralConfig(**COMMON, num_hidden_layers=3, sliding_window=5,
+                                       layer_types=sliding[:3], tie_word_embeddings=False),
         # Gemma 2: alternating sliding/full layers, attention and final logits soft-capped
         "gemma2": t.Gemma2Config(**COMMON, num_hidden_layers=4, sliding_window=5,
                                  query_pre_attn_scalar=16, attn_logit_softcapping=4.0,

@@ -60,6 +60,12 @@ def _configs() -> dict:
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             final_logit_softcapping=3.0,
         ),
+        # fused q|k|v and gate|up in the checkpoint, split at load, then sharded
+        "phi3": t.Phi3Config(
+            **COMMON, vocab_size=128, intermediate_size=96, num_key_value_heads=2,
+            num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False,
+        ),
         "qwen3_moe": t.Qwen3MoeConfig(
             **COMMON, vocab_size=128, intermediate_size=96, num_key_value_heads=2,
             num_hidden_layers=3, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
