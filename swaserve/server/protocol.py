@@ -278,6 +278,16 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    # An earlier answer's reasoning (--reasoning-parser's reasoning_content, or vLLM's newer
+    # `reasoning`), given to the template as `reasoning_content` (Qwen3's renders it): a
+    # client that appends the returned message object sends it back.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    # What the official client also sends back with a returned message: accepted, ignored
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: None = None  # OpenAI's legacy field: null only (tool_calls carry calls)
 
     def to_template(self) -> dict[str, Any]:
         """The message as a chat template expects it: text parts joined into one string; a
@@ -296,6 +306,10 @@ class ChatMessage(_Strict):
             ]  # fmt: skip
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None \
+            else self.reasoning
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
         return msg
 
 

@@ -116,3 +116,13 @@ def test_bad_words(client, server):
     assert chat.choices[0].message.content is not None
     r = post(server, "/v1/completions", {"prompt": prompt, "bad_words": ["ok", " "]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+
+
+def test_returned_message_appended_as_is(client):
+    """The official client's multi-turn pattern: append the returned message object (with the
+    session server's reasoning parser on, it carries reasoning_content) and ask again."""
+    messages: list = [{"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+    messages += [first.choices[0].message, {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+    assert second.choices[0].message.content

@@ -80,3 +80,31 @@ def test_documents_reach_the_chat_template(smollm_engine):
     with pytest.raises(APIError) as e:
         _render_chat(state, both)
     assert e.value.status == 400 and e.value.param == "continue_final_message"
+
+
+def test_returned_message_goes_back_as_is(smollm_engine):
+    """A client that appends the returned assistant message (the official client sends its
+    set fields: reasoning_content, refusal, annotations, ...) gets the next turn, and the
+    reasoning reaches the template as reasoning_content (Qwen3's template renders it); vLLM's
+    newer `reasoning` name too. A legacy function_call is refused."""
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+
+    from swaserve.server import protocol as P
+    from swaserve.server.app import _render_chat
+
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}"
+                "[{{ m.reasoning_content }}]{% endif %}{{ m.content }}{% endfor %}")
+    state = SimpleNamespace(tokenizer=smollm_engine.tokenizer, chat_template=template,
+                            model_name="m")
+    for key in ("reasoning_content", "reasoning"):
+        body = P.ChatCompletionRequest.model_validate({"messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", key: "greet back", "refusal": None,
+             "annotations": [], "audio": None, "function_call": None, "tool_calls": None},
+            {"role": "user", "content": "And?"}]})  # fmt: skip
+        assert _render_chat(state, body) == "<user>Hi<assistant>[greet back]Hello<user>And?"
+    with pytest.raises(ValidationError):
+        P.ChatCompletionRequest.model_validate({"messages": [
+            {"role": "assistant", "content": None, "function_call": {"name": "f"}}]})
