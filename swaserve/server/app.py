@@ -1090,6 +1090,9 @@ class _ChatView:
             out["spec_decoding"] = ro.spec_decoding
         if self.token_ids:
             out["prompt_token_ids"] = self.prompt_ids
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = P.vllm_prompt_logprobs(ro.prompt_logprobs or [None],
+                                                            self.text)  # fmt: skip
         return out
 
     async def stream(self, events: AsyncIterator) -> AsyncIterator[str]:
@@ -1141,6 +1144,9 @@ class _ChatView:
             if ro.spec_decoding is not None:
                 spec = [ro.spec_decoding]
             cached = max(cached, ro.num_cached_tokens)
+            extra: dict[str, Any] = {}  # top-level fields of this chunk
+            if ro.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = P.vllm_prompt_logprobs(ro.prompt_logprobs, self.text)
             choices = []
             for co in ro.outputs:
                 completion_tokens += len(co.token_ids)
@@ -1172,11 +1178,11 @@ class _ChatView:
                 if self.token_ids:
                     c["token_ids"] = list(co.token_ids)
                 choices.append(c)
-            if choices:
+            if choices or extra:
                 if self.body.continuous_usage:
                     usage_field = {"usage": P.usage(len(self.prompt_ids), completion_tokens,
                                                     cached)}  # fmt: skip
-                yield {**head, "choices": choices, **usage_field}
+                yield {**head, "choices": choices, **usage_field, **extra}
         usage = P.usage(len(self.prompt_ids), completion_tokens, cached)
         final = _final_chunk(head, self.body.include_usage, usage, spec)
         if final is not None:

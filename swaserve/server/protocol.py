@@ -8,8 +8,8 @@ field not listed here is a 400 naming it (`suffix`, ... are never silently ignor
 Accepted beyond the OpenAI fields, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `min_tokens`, `stop_token_ids`, `allowed_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`, `structured_outputs`, `return_token_ids`, `priority`,
-`truncate_prompt_tokens`, `bad_words`, `stream_options.continuous_usage_stats`, `prompt_logprobs`
-(completions) and `add_generation_prompt`, `continue_final_message`, `echo`, `documents`
+`truncate_prompt_tokens`, `bad_words`, `stream_options.continuous_usage_stats`,
+`prompt_logprobs` and `add_generation_prompt`, `continue_final_message`, `echo`, `documents`
 (chat). A JSON null means "the
 default" everywhere.
 
@@ -325,6 +325,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the response's top-level prompt_logprobs
     add_generation_prompt: bool | None = None
     tools: list[ToolDef] | None = Field(default=None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -350,7 +351,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if max_tokens is None:
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs, None, defaults)
+        return self._params(max_tokens, logprobs, self.prompt_logprobs, defaults)
 
 
 class TokenizeRequest(_TextRequest):

@@ -126,3 +126,23 @@ def test_returned_message_appended_as_is(client):
     messages += [first.choices[0].message, {"role": "user", "content": "And then?"}]
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
     assert second.choices[0].message.content
+
+
+def test_chat_prompt_logprobs(client, server):
+    """vLLM's prompt_logprobs on chat: the rendered prompt's, as completions gives for the same
+    ids (top-level in the response; in one chunk of a stream)."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                                 "prompt_logprobs": 2}).json()  # fmt: skip
+    ids = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": True}
+               ).json()["tokens"]  # fmt: skip
+    ref = client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
+                                    extra_body={"prompt_logprobs": 2}).model_dump()
+    plp = chat["prompt_logprobs"]
+    assert len(plp) == chat["usage"]["prompt_tokens"] == len(ids) and plp[0] is None
+    want = ref["choices"][0]["prompt_logprobs"]
+    assert [sorted(x) for x in plp[1:]] == [sorted(x) for x in want[1:]]
+    chunks = sse(server, "/chat/completions", {"messages": messages, "max_tokens": 2,
+                                               "prompt_logprobs": 2})  # fmt: skip
+    got = [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c]
+    assert len(got) == 1 and [sorted(x) for x in got[0][1:]] == [sorted(x) for x in plp[1:]]
