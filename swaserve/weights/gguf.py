@@ -66,6 +66,7 @@ _GEMMA3_LAYER = {
 }
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", _LLAMA_LAYER, rope_permute=True),  # also Mistral (same arch)
+    "qwen2": ArchSpec("qwen2", _LLAMA_LAYER),  # Qwen2.5: q/k/v biases ride in .bias tensors
     "qwen3": ArchSpec("qwen3", _LLAMA_LAYER),
     # HF Gemma3RMSNorm computes x * (1 + w); llama.cpp stores 1 + w.
     "gemma3": ArchSpec("gemma3_text", _GEMMA3_LAYER, norm_offset=1.0),
@@ -74,6 +75,7 @@ ARCHS: dict[str, ArchSpec] = {
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }

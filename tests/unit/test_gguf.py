@@ -280,3 +280,83 @@ def test_gemma_tokenizer_matches_sentencepiece(request: pytest.FixtureRequest) -
     ]
     for text in texts:
         assert tok(text, add_special_tokens=False).input_ids == _sentencepiece_encode(meta, text)
+
+
+# ---- an architecture without a built-in file: a tiny Qwen2 GGUF written here ----------------
+
+
+def _write_tiny_qwen2_gguf(path: Path) -> object:
+    """A random tiny Qwen2 (q/k/v biases) as llama.cpp writes one, with smollm2's byte-level
+    BPE vocabulary marked as Qwen2's pre-tokenizer; returns the transformers model."""
+    import gguf
+    import torch
+    import transformers
+
+    src = gguf.GGUFReader(builtin_gguf(SMOLLM))
+    meta = G.read_metadata(src)
+    tokens = meta["tokenizer.ggml.tokens"]
+    cfg = transformers.Qwen2Config(
+        vocab_size=len(tokens), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=meta["tokenizer.ggml.bos_token_id"],
+        eos_token_id=meta["tokenizer.ggml.eos_token_id"])  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random biases (their init is zero): the test must see them
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_context_length(128)
+    w.add_embedding_length(32)
+    w.add_block_count(2)
+    w.add_feed_forward_length(48)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+             "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+    inverse = {v: k for k, v in G._LLAMA_LAYER.items()}
+    for name, p in model.state_dict().items():
+        if name not in names:
+            i, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+            base, kind = rest.rsplit(".", 1)
+            names[name] = f"blk.{i}.{inverse[base]}.{kind}"
+        w.add_tensor(names[name], p.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def test_qwen2_gguf_equals_its_weights(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from swaserve import Engine
+    from tests.helpers import engine_prompt_logits
+
+    monkeypatch.setenv("SWASERVE_CACHE", str(cache))  # the converted folder goes there
+    ref = _write_tiny_qwen2_gguf(tmp_path / "tiny-qwen2.gguf")
+    engine = Engine(model=str(tmp_path / "tiny-qwen2.gguf"), device="cpu", dtype="float32",
+                    kv_cache_gb=0.01)  # fmt: skip
+    try:
+        assert engine.core.hf_config.architectures == ["Qwen2ForCausalLM"]
+        ids = engine.tokenizer("The capital of France is").input_ids
+        got = engine_prompt_logits(engine, ids)
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0]
+        assert (got - want).abs().max().item() < 1e-4
+    finally:
+        engine.shutdown()
