@@ -161,12 +161,12 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False  # per-head RMSNorm on q and k (Qwen3)
-    qkv_bias = False  # q/k/v projections with bias, o without (Qwen2)
+    biased_qkv = False  # q/k/v projections with bias, o without (Qwen2)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, qk_norm=self.qk_norm, qkv_bias=self.qkv_bias)
+        self.model = LlamaModel(config, qk_norm=self.qk_norm, qkv_bias=self.biased_qkv)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

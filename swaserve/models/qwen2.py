@@ -8,4 +8,4 @@ from swaserve.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True
+    biased_qkv = True
