@@ -70,6 +70,7 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3": ArchSpec("qwen3", _LLAMA_LAYER),
     # HF Gemma3RMSNorm computes x * (1 + w); llama.cpp stores 1 + w.
     "gemma3": ArchSpec("gemma3_text", _GEMMA3_LAYER, norm_offset=1.0),
+    "gemma2": ArchSpec("gemma2", _GEMMA3_LAYER, norm_offset=1.0),  # no q/k norm tensors
 }
 # HF model_type -> architectures entry.
 _HF_ARCHITECTURES = {
@@ -78,6 +79,7 @@ _HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 # End-of-turn tokens also added to generation_config's eos ids when the vocab has them.
 _END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
@@ -205,6 +207,19 @@ def build_config(meta: dict[str, Any], tensor_names: set[str]) -> Any:
         kw["query_pre_attn_scalar"] = (
             kw["hidden_size"] // kw["num_attention_heads"] if is_27b else kw.get("head_dim", 256)
         )
+    elif model_type == "gemma2":
+        # llama.cpp's Gemma 2: even layers sliding, attention scale as Gemma 3's, the two
+        # soft-caps from the metadata (50 and 30 when absent, Gemma 2's own)
+        n = kw["num_hidden_layers"]
+        kw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                             for i in range(n)]  # fmt: skip
+        kw["rope_parameters"] = rope
+        is_27b = n == 46
+        kw["query_pre_attn_scalar"] = (
+            kw["hidden_size"] // kw["num_attention_heads"] if is_27b else kw.get("head_dim", 256)
+        )
+        kw["attn_logit_softcapping"] = float(meta.get("gemma2.attn_logit_softcapping", 50.0))
+        kw["final_logit_softcapping"] = float(meta.get("gemma2.final_logit_softcapping", 30.0))
     else:
         kw["rope_parameters"] = rope
     config = AutoConfig.for_model(model_type, **kw)

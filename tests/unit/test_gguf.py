@@ -282,65 +282,89 @@ def test_gemma_tokenizer_matches_sentencepiece(request: pytest.FixtureRequest) -
         assert tok(text, add_special_tokens=False).input_ids == _sentencepiece_encode(meta, text)
 
 
-# ---- an architecture without a built-in file: a tiny Qwen2 GGUF written here ----------------
+# ---- architectures without a built-in file: tiny GGUFs written here -------------------------
 
 
-def _write_tiny_qwen2_gguf(path: Path) -> object:
-    """A random tiny Qwen2 (q/k/v biases) as llama.cpp writes one, with smollm2's byte-level
-    BPE vocabulary marked as Qwen2's pre-tokenizer; returns the transformers model."""
+def _write_tiny_gguf(path: Path, arch: str, model: object, vocab_from: str,
+                     extra: dict[str, float]) -> None:
+    """`model` (a random transformers model) as llama.cpp writes it for `arch`, with the
+    tokenizer fields of the built-in `vocab_from` file; `extra`: float32 metadata."""
     import gguf
-    import torch
-    import transformers
 
-    src = gguf.GGUFReader(builtin_gguf(SMOLLM))
-    meta = G.read_metadata(src)
-    tokens = meta["tokenizer.ggml.tokens"]
-    cfg = transformers.Qwen2Config(
-        vocab_size=len(tokens), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=meta["tokenizer.ggml.bos_token_id"],
-        eos_token_id=meta["tokenizer.ggml.eos_token_id"])  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # random biases (their init is zero): the test must see them
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_context_length(128)
-    w.add_embedding_length(32)
-    w.add_block_count(2)
-    w.add_feed_forward_length(48)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-6)
+    src = gguf.GGUFReader(builtin_gguf(vocab_from))
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_token_merges(meta["tokenizer.ggml.merges"])
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
+    if getattr(c, "sliding_window", None):
+        w.add_sliding_window(c.sliding_window)
+    for key, value in extra.items():
+        w.add_float32(f"{arch}.{key}", value)
+    for name, f in src.fields.items():  # the vocabulary, as the source file stores it
+        if name.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    spec = G.ARCHS[arch]
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
-    inverse = {v: k for k, v in G._LLAMA_LAYER.items()}
+    inverse = {v: k for k, v in spec.layer_names.items()}
     for name, p in model.state_dict().items():
         if name not in names:
             i, rest = name.split(".")[2], ".".join(name.split(".")[3:])
             base, kind = rest.rsplit(".", 1)
             names[name] = f"blk.{i}.{inverse[base]}.{kind}"
-        w.add_tensor(names[name], p.numpy().astype(np.float32))
+        t = p.float().numpy()
+        if spec.norm_offset and name.endswith("norm.weight"):
+            t = t + np.float32(spec.norm_offset)  # llama.cpp stores Gemma's 1 + w
+        w.add_tensor(names[name], t.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return model
 
 
-def test_qwen2_gguf_equals_its_weights(
-    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+def _tiny(arch: str) -> tuple[object, str, dict[str, float]]:
+    """(random transformers model, built-in vocabulary, extra metadata) of a tiny `arch`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=128, rms_norm_eps=1e-6)  # fmt: skip
+    if arch == "qwen2":  # Qwen2.5: q/k/v biases
+        import gguf
+
+        tokens = len(G.read_metadata(gguf.GGUFReader(builtin_gguf(SMOLLM)))[
+            "tokenizer.ggml.tokens"])  # fmt: skip
+        cfg = transformers.Qwen2Config(**common, vocab_size=tokens, tie_word_embeddings=False,
+                                       rope_theta=10000.0)  # fmt: skip
+        model = transformers.Qwen2ForCausalLM(cfg)
+        vocab, extra = SMOLLM, {}
+    else:  # Gemma 2: alternating windows, both soft-caps, (1 + w) norms
+        cfg = transformers.Gemma2Config(**common, vocab_size=262144, sliding_window=5,
+                                        query_pre_attn_scalar=8, attn_logit_softcapping=4.0,
+                                        final_logit_softcapping=3.0)  # fmt: skip
+        model = transformers.Gemma2ForCausalLM(cfg)
+        vocab, extra = GEMMA, {"attn_logit_softcapping": 4.0, "final_logit_softcapping": 3.0}
+    with torch.no_grad():  # random biases and norms (their init is 0 or 1): the test sees them
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.5)
+    return model.eval(), vocab, extra
+
+
+@pytest.mark.parametrize("arch", ["qwen2", pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_gguf_architectures_equal_their_weights(
+    arch: str, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
 
@@ -348,12 +372,13 @@ def test_qwen2_gguf_equals_its_weights(
     from tests.helpers import engine_prompt_logits
 
     monkeypatch.setenv("SWASERVE_CACHE", str(cache))  # the converted folder goes there
-    ref = _write_tiny_qwen2_gguf(tmp_path / "tiny-qwen2.gguf")
-    engine = Engine(model=str(tmp_path / "tiny-qwen2.gguf"), device="cpu", dtype="float32",
+    ref, vocab, extra = _tiny(arch)
+    _write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch, ref, vocab, extra)
+    engine = Engine(model=str(tmp_path / f"tiny-{arch}.gguf"), device="cpu", dtype="float32",
                     kv_cache_gb=0.01)  # fmt: skip
     try:
-        assert engine.core.hf_config.architectures == ["Qwen2ForCausalLM"]
-        ids = engine.tokenizer("The capital of France is").input_ids
+        assert engine.core.hf_config.architectures == [type(ref).__name__]
+        ids = engine.tokenizer("The capital of France is " * 3).input_ids  # past the window
         got = engine_prompt_logits(engine, ids)
         with torch.no_grad():
             want = ref(torch.tensor([ids])).logits[0]
