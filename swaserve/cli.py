@@ -63,6 +63,28 @@ def _add_vllm_flags(groups: dict[str, Any], p: argparse.ArgumentParser) -> None:
                         "architectures are built in) (default: off)")  # fmt: skip
     g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted: swaserve does not log requests' contents (default: off)")
+    g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help="vLLM's form of the speculative decoding flags: method (ngram or "
+                        "dflash), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
+                        "model (default: none)")  # fmt: skip
+
+
+# vLLM's --speculative-config keys -> EngineConfig fields
+_SPEC_KEYS = {"method": "speculative_algorithm", "model": "speculative_draft_model",
+              "num_speculative_tokens": "speculative_num_draft_tokens",
+              "prompt_lookup_min": "speculative_ngram_min",
+              "prompt_lookup_max": "speculative_ngram_max"}  # fmt: skip
+
+
+def _speculative_config(spec: Any) -> dict[str, Any]:
+    """--speculative-config as EngineConfig fields (ValueError naming a key it cannot take)."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {spec!r}")
+    unknown = sorted(set(spec) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unsupported key(s) {unknown}; swaserve takes "
+                         f"{sorted(_SPEC_KEYS)}")  # fmt: skip
+    return {_SPEC_KEYS[k]: v for k, v in spec.items()}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -71,6 +93,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kw["cuda_graph_max_bs"], kw["piecewise_cuda_graph_max_tokens"] = 0, 0
     if getattr(args, "enable_prefix_caching", None) is False:
         kw["disable_prefix_cache"] = True
+    if getattr(args, "speculative_config", None) is not None:
+        kw.update(_speculative_config(args.speculative_config))
     return kw
 
 

@@ -135,3 +135,12 @@ def test_a_vllm_command_line_works(
     assert seen["config"].cuda_graph_max_bs is None  # the defaults, unless --enforce-eager
     assert main(["serve", "gemma-3-270m", "--model", "smollm2-135m"]) != 0
     assert "two models given" in capsys.readouterr().err
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+    assert main(["serve", "--speculative-config", spec]) == 0
+    c = seen["config"]
+    assert (c.speculative_algorithm, c.speculative_num_draft_tokens, c.speculative_ngram_max) \
+        == ("ngram", 3, 5)
+    assert main(["serve", "--speculative-config", '{"method": "eagle"}']) != 0
+    assert "speculative_algorithm" in capsys.readouterr().err  # the engine's check names it
+    assert main(["serve", "--speculative-config", '{"draft_tensor_parallel_size": 1}']) != 0
+    assert "unsupported key" in capsys.readouterr().err
