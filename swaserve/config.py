@@ -362,7 +362,7 @@ FLAGS: dict[str, FlagInfo] = {
     "model": FlagInfo(
         "model",
         "a built-in alias (smollm2-135m-instruct, gemma-3-270m), a "
-        ".gguf file, or a Hugging Face folder with config.json",
+        ".gguf file, a Hugging Face folder with config.json, or a Hub id (owner/name)",
     ),
     "tokenizer": FlagInfo("model", "tokenizer folder, when not the model's", default="the model's"),
     "dtype": FlagInfo(

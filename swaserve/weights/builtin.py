@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swaserve.weights.gguf import cache_root, convert_gguf, file_lock
+from swaserve.weights.hub import hub_snapshot, is_hub_id
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -65,7 +66,8 @@ def builtin_gguf(alias: str) -> Path:
 
 
 def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """A Hugging Face folder for `model`: an alias, a .gguf file or a folder with config.json.
+    """A Hugging Face folder for `model`: an alias, a .gguf file, a folder with config.json, or
+    a Hugging Face Hub id (downloaded once into the Hub's cache).
 
     GGUF files are converted once into the cache (see `swaserve.weights.gguf.convert_gguf`).
     """
@@ -76,6 +78,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
         return convert_gguf(path, cache_dir)
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if is_hub_id(model):  # a Hugging Face Hub id, as vLLM takes it (weights/hub.py)
+        return hub_snapshot(model)
     if path.is_dir():
         problem = f"folder {model!r} has no config.json"
     elif path.exists():
@@ -84,5 +88,5 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
         problem = f"unknown model {model!r}"
     raise ValueError(
         f"{problem}: expected a built-in alias ({', '.join(ALIASES)}), a .gguf file, "
-        "or a Hugging Face folder with config.json (no download at run time)"
+        "a Hugging Face folder with config.json, or a Hub id (owner/name)"
     )
