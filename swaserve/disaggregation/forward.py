@@ -224,6 +224,8 @@ class _Pair:
 async def json_body(raw: Request) -> Any:
     try:
         return json.loads(await raw.body())
+    except RecursionError:
+        raise bad("the request nests JSON too deeply") from None
     except (ValueError, UnicodeDecodeError):
         raise bad("the request body is not valid JSON") from None
 

@@ -136,6 +136,10 @@ def build_router_app(router: Router) -> FastAPI:
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(RecursionError)
+    async def on_too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        return APIError(400, "the request nests JSON too deeply").response()
+
     @app.exception_handler(Exception)
     async def on_crash(_: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")

@@ -22,6 +22,7 @@ from swaserve.engine.limits import (
     check_model_len,
     check_priority,
     check_prompt,
+    check_satisfiable,
     check_token_ids,
     check_vocab_ids,
     fit_context,
@@ -499,6 +500,7 @@ class EngineCore:
         its grammar, compiled here and cached); returns the max_tokens to use."""
         check_vocab_ids(params, self.hf_config.vocab_size)
         check_priority(params, self.config.scheduling_policy)
+        check_satisfiable(params, self.eos_token_ids)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
         limit = ContextLimit(self.max_model_len, self.context_by_kv_pool)

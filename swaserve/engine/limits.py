@@ -100,6 +100,24 @@ def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
             )
 
 
+def check_satisfiable(params: SamplingParams, eos_token_ids: list[int]) -> None:
+    """PromptError when the sampling rules leave no token to sample at some step: every
+    allowed_token_ids id ends the request while min_tokens forbids ending, or bad words of one
+    token ban every allowed id (the masks would leave a row of -inf)."""
+    allowed = params.allowed_token_ids
+    if allowed is None:
+        return
+    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if params.min_tokens > 0 and set(allowed) <= ends:
+        raise PromptError(
+            f"min_tokens {params.min_tokens} cannot be met: every allowed token ends the "
+            "request (allowed_token_ids are all stop or end-of-sequence tokens)", "min_tokens",
+        )
+    banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+    if set(allowed) <= banned:
+        raise PromptError("bad_words ban every one of allowed_token_ids", "bad_words")
+
+
 def check_priority(params: SamplingParams, policy: str) -> None:
     """A request's priority means something only under --scheduling-policy priority (vLLM's
     rule): PromptError naming `priority` otherwise."""

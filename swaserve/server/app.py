@@ -270,6 +270,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail)).response()
 
+    @app.exception_handler(RecursionError)
+    async def on_too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        # JSON nested past Python's recursion limit (the body's parse, or a field's walk)
+        return bad("the request nests JSON too deeply").response()
+
     @app.exception_handler(Exception)
     async def on_crash(_: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
@@ -434,6 +439,8 @@ def _params(
         raise bad(f"n={params.n} exceeds this server's cap of {state.max_n} (--max-n)", "n")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
+        if name == "logprobs" and isinstance(body, P.ChatCompletionRequest):
+            name = "top_logprobs"  # chat's count of alternatives; its logprobs is a bool
         if k is not None and k > state.max_logprobs:
             raise bad(
                 f"{name}={k} exceeds this server's cap of {state.max_logprobs} (--max-logprobs)",
@@ -450,13 +457,22 @@ def _params(
         check_priority(params, state.scheduling_policy)
     except PromptError as e:
         raise bad(str(e), e.param) from None
-    if params.structured_outputs is not None:  # a bad grammar: a 400 here, not a core reject
-        try:
-            check_syntax(params.structured_outputs)
-        except ValueError as e:
-            field = "response_format" if body.response_format is not None else "structured_outputs"
-            raise bad(str(e), field) from None
     return params
+
+
+async def _check_grammar(state: ServerState, params: SamplingParams, field: str) -> None:
+    """A bad grammar is a 400 here, not a core reject. xgrammar parses it on the tokenizer
+    thread: a large schema never stalls the event loop (other streams, /health)."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await _off_loop(state, check_syntax, params.structured_outputs)
+    except ValueError as e:
+        raise bad(f"tools: {e}" if field == "tools" else str(e), field) from None
+
+
+def _grammar_field(body: P.CompletionRequest | P.ChatCompletionRequest) -> str:
+    return "response_format" if body.response_format is not None else "structured_outputs"
 
 
 def _truncated(
@@ -643,6 +659,7 @@ def _decode(state: ServerState, ids: list[int]) -> str:
 
 async def _completions(state: ServerState, body: P.CompletionRequest, raw: Request) -> Response:
     params = _params(state, body)
+    await _check_grammar(state, params, _grammar_field(body))
     raw_prompts = body.prompts()
     if not raw_prompts:
         raise bad("the prompt is empty", "prompt")
@@ -914,7 +931,6 @@ def _tool_plan(
             )
         try:
             params = replace(params, structured_outputs=grammar)  # normalised there
-            check_syntax(params.structured_outputs)
         except ValueError as e:
             raise bad(f"tools: {e}", "tools") from None
     return plan, params
@@ -947,7 +963,11 @@ async def _chat_begin(
 ) -> tuple[_ChatView, asyncio.Queue, list[str]]:
     """A chat request checked, rendered and started: its view, its queue and request ids."""
     params = _params(state, body)
+    grammar_field = _grammar_field(body)
     plan, params = _tool_plan(state, body, params)
+    if plan is not None and plan.structured_outputs() is not None:
+        grammar_field = "tools"  # the grammar holds the tools' calls
+    await _check_grammar(state, params, grammar_field)
     params = _keep_markers(state, body, plan, params)
     prompt, ids = await _off_loop(state, _chat_prompt, state, body, plan)
     if state.reasoning_parser and params.structured_outputs is not None:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from swaserve.outputs import Logprob
-from swaserve.sampling.params import SamplingParams
+from swaserve.sampling.params import MAX_LOGPROBS, SamplingParams
 
 LOGPROB_FLOOR = -9999.0
 
@@ -347,6 +347,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.top_logprobs}")  # fmt: skip
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens

@@ -70,7 +70,13 @@ class ResponsesRequest(_TextRequest):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    include: list[str] | None = None
+    # OpenAI's names; only the logprobs one changes anything here (the others concern hosted
+    # tools, images and encrypted reasoning, which this server does not produce)
+    include: list[Literal[
+        "message.output_text.logprobs", "reasoning.encrypted_content",
+        "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+        "message.input_image.image_url", "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs"]] | None = None  # fmt: skip
     truncation: Literal["disabled", "auto"] | None = None
     background: bool | None = None
     service_tier: str | None = None
@@ -180,10 +186,16 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
     if fmt is None:
         return None
+    if not isinstance(fmt, dict):
+        raise ResponsesError(f"text.format must be an object, got {fmt!r}", "text")
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
+        missing = [k for k in ("name", "schema") if k not in fmt]
+        if missing:
+            raise ResponsesError(f"text.format of type json_schema needs {' and '.join(missing)}",
+                                 "text")  # fmt: skip
         schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
     raise ResponsesError(f"text.format.type must be text, json_object or json_schema, got "
@@ -279,7 +291,8 @@ def response_object(
 def responses_usage(u: dict[str, Any]) -> dict[str, Any]:
     return {
         "input_tokens": u["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                                 "cache_write_tokens": 0},
         "output_tokens": u["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u["total_tokens"],

@@ -69,3 +69,24 @@ def test_generation_avoids_the_words(smollm_engine):
     out = eng.generate(prompt, SamplingParams(bad_words=[one], **greedy))[0].outputs[0]
     banned = {w[0] for w in word_token_ids([one], tok) if len(w) == 1}
     assert banned and not banned & set(out.token_ids)
+
+
+def test_unsatisfiable_masks_are_refused(smollm_engine):
+    """Rules that leave no token at some step are refused when the request is added (a 400
+    through the server), not sampled from a row of -inf: min_tokens with allowed_token_ids
+    that all end the request, and bad words banning every allowed token."""
+    from swaserve.engine.limits import PromptError, check_satisfiable
+
+    eos = smollm_engine.core.eos_token_ids
+    with pytest.raises(ValueError, match="min_tokens 2 cannot be met"):
+        smollm_engine.generate("Hi", SamplingParams(allowed_token_ids=list(eos), min_tokens=2))
+    check_satisfiable(SamplingParams(allowed_token_ids=list(eos), min_tokens=2,
+                                     ignore_eos=True), eos)  # fmt: skip
+    check_satisfiable(SamplingParams(allowed_token_ids=[5, 6], min_tokens=2,
+                                     stop_token_ids=[5]), eos)  # fmt: skip
+    with pytest.raises(PromptError, match="min_tokens") as e:
+        check_satisfiable(SamplingParams(allowed_token_ids=[5, 6], min_tokens=1,
+                                         stop_token_ids=[5, 6]), eos)  # fmt: skip
+    assert e.value.param == "min_tokens"
+    with pytest.raises(PromptError, match="bad_words ban every one"):
+        check_satisfiable(SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[5]]), eos)

@@ -108,3 +108,12 @@ def test_returned_message_goes_back_as_is(smollm_engine):
     with pytest.raises(ValidationError):
         P.ChatCompletionRequest.model_validate({"messages": [
             {"role": "assistant", "content": None, "function_call": {"name": "f"}}]})
+
+
+def test_top_logprobs_errors_name_top_logprobs():
+    from swaserve.server import protocol as P
+
+    body = P.ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50})
+    with pytest.raises(ValueError, match=r"^top_logprobs must be in \[0, 20\], got 50"):
+        body.sampling_params()

@@ -95,6 +95,18 @@ def test_the_request_as_a_chat_request():
 def test_unknown_fields_are_refused():
     with pytest.raises(ValueError, match="frobnicate"):
         ResponsesRequest(input="x", frobnicate=1)
+    with pytest.raises(ValueError, match="include"):
+        ResponsesRequest(input="x", include=["bogus"])
+    ResponsesRequest(input="x", include=["reasoning.encrypted_content"])  # known, no effect
+
+
+@pytest.mark.parametrize("fmt,words", [("x", "must be an object"), (5, "must be an object"),
+                                       ({"type": "json_schema"}, "needs name and schema"),
+                                       ({"type": "json_schema", "name": "n"}, "needs schema")])
+def test_bad_text_formats_name_text(fmt, words):
+    with pytest.raises(ResponsesError, match=words) as e:
+        to_chat(ResponsesRequest(input="x", text={"format": fmt}), [])
+    assert e.value.param == "text"
 
 
 def _chat_choice(content, calls=None, reasoning=None, reason="stop"):

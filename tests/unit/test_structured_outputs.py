@@ -45,6 +45,27 @@ def test_spec_is_validated():
         SamplingParams(structured_outputs={"regex": 3})
 
 
+def test_nesting_is_bounded():
+    """A schema nested past MAX_JSON_DEPTH is refused before xgrammar sees it (its compile time
+    grows steeply with depth), as a dict, as JSON text past Python's recursion limit, and
+    inside a structural tag."""
+    from swaserve.sampling.structured import MAX_JSON_DEPTH, json_depth
+
+    def nested(n: int) -> dict:
+        s: dict = {"type": "integer"}
+        for _ in range(n):
+            s = {"type": "array", "items": s}
+        return s
+
+    assert json_depth(nested(3)) == 4 and json_depth(5) == 0 and json_depth([[], {}]) == 2
+    check_syntax(normalise({"json": nested(MAX_JSON_DEPTH - 1)}))
+    for spec in ({"json": nested(MAX_JSON_DEPTH)}, {"json": nested(5000)},
+                 {"json": "[" * 5000 + "]" * 5000},
+                 {"structural_tag": {"format": nested(MAX_JSON_DEPTH)}}):  # fmt: skip
+        with pytest.raises(ValueError, match=f"nests deeper than {MAX_JSON_DEPTH} levels"):
+            normalise(spec)
+
+
 def test_bitmask_equals_xgrammars():
     gen = torch.Generator().manual_seed(0)
     V = 1000  # not a multiple of 32
