@@ -403,6 +403,8 @@ def layer_windows(config: Any) -> list[int | None]:
     or `sliding_window` on every layer for Mistral-style configs)."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:  # SmolLM3, Qwen2: windows off
+        return [None] * n
     types = getattr(config, "layer_types", None)
     if types:
         return [window if t == "sliding_attention" else None for t in types]

@@ -1,7 +1,7 @@
 """Llama family (SmolLM2, Llama 3): pre-norm decoder, rotary, SiLU-gated MLP.
 
-Qwen2, Qwen3 and Mistral reuse this file's layer with small switches (qwen2.py, qwen3.py,
-mistral.py).
+Qwen2, Qwen3, Mistral, Phi-3 and SmolLM3 reuse this file's layer with small switches
+(qwen2.py, qwen3.py, mistral.py, phi3.py; SmolLM3's NoPE layers are read here).
 """
 
 from __future__ import annotations
@@ -42,7 +42,13 @@ class LlamaDecoderLayer(nn.Module):
             scale=hd**-0.5,
             window=window,
         )
-        rotary = Rotary(rope_inv_freq(config, hd, None), rope_attention_scaling(config, None))
+        inv_freq = rope_inv_freq(config, hd, None)
+        # SmolLM3's NoPE layers (no_rope_layers[i] == 0): zero frequencies rotate by nothing
+        # (cos 1, sin 0), so every fused rotary path leaves q and k as they are
+        if not getattr(config, "no_rope_layers", None) or config.no_rope_layers[layer_id]:
+            rotary = Rotary(inv_freq, rope_attention_scaling(config, None))
+        else:
+            rotary = Rotary(torch.zeros_like(inv_freq), 1.0)
         self.self_attn = Attention(
             spec,
             config.hidden_size,

@@ -12,6 +12,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Ministral: Mistral with per-layer `layer_types` (read by blocks.layer_windows)
     "MinistralForCausalLM": ("swaserve.models.mistral", "MistralForCausalLM"),
     "Phi3ForCausalLM": ("swaserve.models.phi3", "Phi3ForCausalLM"),
+    # SmolLM3: the Llama layer, every `no_rope_layers`-marked layer without rotary (llama.py)
+    "SmolLM3ForCausalLM": ("swaserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("swaserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("swaserve.models.qwen3", "Qwen3ForCausalLM"),
     "Gemma2ForCausalLM": ("swaserve.models.gemma3", "Gemma2ForCausalLM"),
@@ -25,6 +27,7 @@ _MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "ministral": "MinistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",

@@ -43,6 +43,9 @@ def _configs() -> dict:
                                               "partial_rotary_factor": 0.75}),
         "ministral": t.MinistralConfig(**COMMON, num_hidden_layers=3, sliding_window=5,
                                        layer_types=sliding[:3], tie_word_embeddings=False),
+        # SmolLM3: every 4th layer without rotary (NoPE)
+        "smollm3": t.SmolLM3Config(**COMMON, num_hidden_layers=4, tie_word_embeddings=True,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2),
         # Gemma 2: alternating sliding/full layers, attention and final logits soft-capped
         "gemma2": t.Gemma2Config(**COMMON, num_hidden_layers=4, sliding_window=5,
                                  query_pre_attn_scalar=16, attn_logit_softcapping=4.0,
