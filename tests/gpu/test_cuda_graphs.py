@@ -26,6 +26,32 @@ def tiny(tmp_path_factory):
             max_position_embeddings=2048, tie_word_embeddings=False,
         ),
         "gemma3": tiny_gemma3_config(),
+        # the architectures added on the CPU (2026-12-05), first run on a GPU here
+        "qwen2": transformers.Qwen2Config(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+            num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=2048,
+            use_sliding_window=True, sliding_window=24, max_window_layers=1,
+            tie_word_embeddings=False,
+        ),
+        "gemma2": transformers.Gemma2Config(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+            max_position_embeddings=2048, sliding_window=24, query_pre_attn_scalar=16,
+            attn_logit_softcapping=8.0, final_logit_softcapping=5.0,
+        ),
+        "phi3": transformers.Phi3Config(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+            num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=2048,
+            sliding_window=24, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.75},
+        ),
+        "smollm3": transformers.SmolLM3Config(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+            num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=2048,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        ),
     }
     for name, cfg in cfgs.items():
         folder = tmp_path_factory.mktemp(name)
@@ -33,7 +59,7 @@ def tiny(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2", "phi3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_decode_equals_eager(tiny, name, dtype):
     folder = tiny[name][0]
@@ -49,7 +75,7 @@ def test_graph_decode_equals_eager(tiny, name, dtype):
     assert toks[0] == toks[8]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen2", "gemma2", "phi3", "smollm3"])
 def test_engine_logits_equal_transformers_on_gpu(tiny, name):
     folder, ref = tiny[name]
     e = Engine(model=str(folder), dtype="float32", kv_cache_gb=0.05, page_size=16,

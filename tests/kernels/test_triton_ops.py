@@ -315,15 +315,36 @@ def _tiny_configs() -> dict:
             ),
             3 * 9 + 1,
         ),
+        # the newer architectures' fused-path specifics: Phi-3's partial rotary (v5's
+        # rope_parameters), Gemma 2's soft-capped attention without q/k norms, SmolLM3's NoPE
+        # layer (zero-frequency rotary)
+        "phi3": (
+            t.Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5}),
+            3 * 5 + 1,
+        ),
+        "gemma2": (
+            t.Gemma2Config(**TINY, sliding_window=5, query_pre_attn_scalar=24,
+                           attn_logit_softcapping=4.0, final_logit_softcapping=3.0),
+            3 * 7 + 1,
+        ),
+        "smollm3": (
+            t.SmolLM3Config(**TINY, no_rope_layers=[1, 0, 1], tie_word_embeddings=True,
+                            pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            3 * 5 + 1,
+        ),
     }  # fmt: skip
 
 
 @pytest.mark.skipif(_CUDA, reason="CPU engine test")
 @pytest.mark.parametrize(
     "name,backend",
-    [(name, "torch") for name in _tiny_configs()]
+    [(name, "torch") for name in ("llama", "llama_bias", "qwen3", "gemma3")]
     # the Triton backend takes the q/k norms and rotary into its K/V store (rope_store.py)
-    + [("llama", "triton"), ("qwen3", "triton"), ("gemma3", "triton")],
+    + [("llama", "triton"), ("qwen3", "triton"), ("gemma3", "triton"), ("phi3", "triton"),
+       ("gemma2", "triton"), ("smollm3", "triton")],
 )
 def test_triton_fused_ops_model(tmp_path, name, backend):
     """Per-position logits and greedy tokens of a tiny random model are the same with the fused
