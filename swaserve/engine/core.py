@@ -557,6 +557,15 @@ class EngineCore:
             self._num_seeded_sampling -= _seeded_sampling(req.params)
             self._num_not_plain -= not _plain_greedy(req.params)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (device pages and offload tiers), as vLLM's: False, and
+        nothing dropped, while a request runs or waits."""
+        if self.has_unfinished():
+            return False
+        if self.cache is not None:
+            self.cache.reset()
+        return True
+
     def has_unfinished(self) -> bool:
         """Requests queued or running, or a launched step whose tokens are not out yet."""
         return self.scheduler.has_unfinished() or self._inflight is not None

@@ -87,6 +87,11 @@ def child_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, n=1, seed=seed)
 
 
+def _children(params: SamplingParams) -> list[SamplingParams]:
+    """The n samples' params (ValueError, e.g. a seed + i past 2**64, before any is added)."""
+    return [child_params(params, i) for i in range(params.n)]
+
+
 class _ShutDown:
     """What `Engine.core` becomes after `Engine.shutdown()`: any use names the cause."""
 
@@ -261,6 +266,20 @@ class Engine:
     def memory_stats(self) -> dict:
         return self.core.memory_stats()
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's LLM.get_tokenizer)."""
+        return self._need_tokenizer()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, device pages and host/disk tiers (vLLM's
+        LLM.reset_prefix_cache), e.g. between benchmark runs of the same prompts. False, and
+        nothing dropped, while a request is unfinished (a `chat_stream` being read)."""
+        reset = getattr(self.core, "reset_prefix_cache", None)
+        if reset is None:
+            raise NotImplementedError("reset_prefix_cache is not available with expert "
+                                      "parallelism")  # fmt: skip
+        return reset()
+
     def shutdown(self) -> None:
         """Stop the engine and give its memory back now: tensor-parallel and expert-parallel
         workers stop, and the KV pool, graphs and weights are freed (on a GPU, returned to the
@@ -329,12 +348,13 @@ class Engine:
         `lof` policy; the classic longest-processing-time-first rule for a makespan)."""
         ids = [self._truncated(t, p) for t, p in zip(ids, params)]
         max_tokens = [self.core.resolve_max_tokens(len(t), p) for t, p in zip(ids, params)]
+        children = [_children(p) for p in params]  # seed + i past 2**64 fails here
         order = list(range(len(ids)))
         if self.config.offline_order == "longest_first":
             order.sort(key=lambda i: -max_tokens[i])
         rids: list[str] = [""] * len(ids)
         for i in order:
-            rids[i] = self._add(texts[i], ids[i], params[i])
+            rids[i] = self._add(texts[i], ids[i], params[i], children=children[i])
         return rids
 
     def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
@@ -342,16 +362,19 @@ class Engine:
         return truncate_prompt(ids, params, self.core.max_model_len)
 
     def _add(
-        self, text: str | None, ids: list[int], params: SamplingParams, stream: bool = False
+        self, text: str | None, ids: list[int], params: SamplingParams, stream: bool = False,
+        children: list[SamplingParams] | None = None,
     ) -> str:
         """Adds a request (its n samples as core requests); `stream`: its outputs are deltas,
-        else only the finished one comes out."""
+        else only the finished one comes out. Every sample's params are built (validated)
+        before anything is added."""
+        children = children if children is not None else _children(params)
         rid = str(next(self._ids))
         core_ids = [f"{rid}-{i}" for i in range(params.n)]
         self.processor.add_request(rid, text, ids, params, core_ids, stream=stream,
                                    final_only=not stream)  # fmt: skip
-        for i, cid in enumerate(core_ids):
-            self.core.add_request(cid, ids, child_params(params, i))
+        for cid, child in zip(core_ids, children):
+            self.core.add_request(cid, ids, child)
         return rid
 
     def _run(self, rids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:

@@ -108,14 +108,14 @@ def check_satisfiable(params: SamplingParams, eos_token_ids: list[int]) -> None:
     if allowed is None:
         return
     ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    if params.min_tokens > 0 and set(allowed) <= ends:
-        raise PromptError(
-            f"min_tokens {params.min_tokens} cannot be met: every allowed token ends the "
-            "request (allowed_token_ids are all stop or end-of-sequence tokens)", "min_tokens",
-        )
     banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
     if set(allowed) <= banned:
         raise PromptError("bad_words ban every one of allowed_token_ids", "bad_words")
+    if params.min_tokens > 0 and set(allowed) <= ends | banned:
+        raise PromptError(
+            f"min_tokens {params.min_tokens} cannot be met: every allowed token ends the "
+            "request (a stop or end-of-sequence token) or is banned by bad_words", "min_tokens",
+        )
 
 
 def check_priority(params: SamplingParams, policy: str) -> None:

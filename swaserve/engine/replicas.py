@@ -139,6 +139,12 @@ class DPReplicas:
             with _naming_replica(rank):
                 r.check_ranks()
 
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's (see EngineCore.reset_prefix_cache): False while any runs a request."""
+        if self.has_unfinished():
+            return False
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
     def shutdown(self) -> None:
         """Stop every replica's tensor-parallel workers, the last started first (each gives
         back the thread count it found)."""

@@ -496,6 +496,27 @@ class RadixCache:
         if self.mover is not None and (self._inflight or self._waits or len(self.mover)):
             self._drain()
 
+    def reset(self) -> int:
+        """Drop every cached page, on the device and in the offload tiers (vLLM's
+        reset_prefix_cache). Only while no request uses the tree: the caller checks that the
+        engine is idle (no request, no step in flight). Returns the device pages freed."""
+        assert not self._inserted and not self._num_pins and not self._step_pins, \
+            "the prefix cache is reset only while no request uses it"
+        self.wait_loads()
+        self.move_pages()  # queued stores land (their slots are freed below) and pins drop
+        freed = 0
+        for child in list(self.root.children.values()):
+            for node in self._postorder(child):
+                freed += self._remove_node(node)
+        self._reap()
+        # the queues' entries are all stale now: start them empty
+        self._lru, self._swa_lru = LruQueue(), LruQueue()
+        self._tier_lru = [LruQueue() for _ in self.tiers]
+        self._suspects.clear()
+        self._touched = set() if self.swa else None
+        self._swa_built = False
+        return freed
+
     def _alloc(self, n: int) -> list[int]:
         pages = self.pool.alloc(n)
         if pages is None:

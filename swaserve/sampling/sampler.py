@@ -198,6 +198,10 @@ class SamplingTensors:
             banned = set()
             if len(row.output_token_ids) < p.min_tokens:
                 banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | eos
+                if row.token_bitmask is not None and not _allows_other(row.token_bitmask, banned):
+                    # a complete grammar allows only the end: it ends the request, as the stop
+                    # rule lets it before min_tokens (no row of -inf)
+                    banned = set()
             if p.bad_words_token_ids:
                 banned |= banned_tokens(p.bad_words_token_ids, row.output_token_ids)
             min_tokens_fill.extend(i * V + t for t in sorted(banned) if 0 <= t < V)
@@ -266,6 +270,20 @@ class SamplingTensors:
             any_greedy=any(greedy),
             max_num_logprobs=max_num_logprobs,
         )
+
+
+def _allows_other(bitmask: Tensor, tokens: set[int]) -> bool:
+    """The [W] int32 host bitmask (bit t of word t // 32: token t allowed) allows a token
+    outside `tokens`."""
+    words: dict[int, int] = {}
+    for t in tokens:
+        w = t >> 5
+        if w < bitmask.shape[0]:
+            words[w] = words.get(w, int(bitmask[w]) & 0xFFFFFFFF) & ~(1 << (t & 31))
+    if any(words.values()):
+        return True
+    others = int(torch.count_nonzero(bitmask))
+    return others > sum(1 for w in words if int(bitmask[w]) != 0)
 
 
 def _to_device(t: Tensor, device: torch.device | str) -> Tensor:

@@ -90,3 +90,26 @@ def test_unsatisfiable_masks_are_refused(smollm_engine):
     assert e.value.param == "min_tokens"
     with pytest.raises(PromptError, match="bad_words ban every one"):
         check_satisfiable(SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[5]]), eos)
+
+
+def test_min_tokens_lets_a_complete_grammar_end():
+    """A grammar whose mask allows only an end token (it is complete) keeps that token under
+    min_tokens (no row of -inf); one that allows more still has the end tokens banned."""
+    from swaserve.sampling.sampler import _allows_other
+
+    V, eos = 70, 2
+    only_end = torch.zeros(3, dtype=torch.int32)
+    only_end[0] = 1 << eos
+    more = only_end.clone()
+    more[1] = 1 << (40 - 32)
+    top = torch.zeros(3, dtype=torch.int32)
+    top[1] = torch.tensor([-(2**31)], dtype=torch.int32)  # token 63: bit 31, the sign bit
+    assert not _allows_other(only_end, {eos}) and _allows_other(more, {eos})
+    assert _allows_other(top, {eos}) and not _allows_other(top, {63})
+    p = SamplingParams(temperature=0.0, min_tokens=3)
+    rows = [SamplingRow(p, None, [0], [1], only_end), SamplingRow(p, None, [0], [1], more)]
+    t = SamplingTensors.from_rows(rows, V, "cpu", eos_token_ids=[eos])
+    logits = torch.zeros(2, V)
+    apply_penalties(logits, t)
+    assert logits[0].isfinite().nonzero().flatten().tolist() == [eos]  # the grammar's end
+    assert logits[1, eos].item() == float("-inf")

@@ -302,3 +302,23 @@ def test_chat_stream_equals_chat_and_aborts_when_closed(smollm_engine):
     assert not smollm_engine.core.has_unfinished()
     with pytest.raises(ValueError, match="n = 1"):
         next(smollm_engine.chat_stream(ask, SamplingParams(n=2)))
+
+
+def test_reset_prefix_cache(smollm_engine):
+    """vLLM's LLM.reset_prefix_cache: a prompt cached before is not after; refused (False,
+    nothing dropped) while a request is unfinished."""
+    eng = smollm_engine
+    prompt = "The old mill stands by the river. " * 8
+    p = SamplingParams(max_tokens=2, temperature=0)
+    eng.generate(prompt, p)
+    assert eng.generate(prompt, p)[0].num_cached_tokens > 0
+    stream = eng.chat_stream([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=4))
+    next(stream)  # a request now runs
+    assert eng.reset_prefix_cache() is False
+    assert eng.memory_stats()["cache_pages"] > 0
+    stream.close()
+    assert eng.reset_prefix_cache() is True
+    assert eng.memory_stats()["cache_pages"] == 0
+    eng.core.memory.check_integrity()
+    assert eng.generate(prompt, p)[0].num_cached_tokens == 0
+    assert eng.get_tokenizer() is eng.tokenizer

@@ -172,6 +172,14 @@ def test_disk_tier_and_write_through(gemma_off, tmp_path):
     stats = engine.memory_stats()
     assert out == ref and hits > 0
     assert stats["disk_pages"] > 0 and stats["host_loads"] > 0
+    # reset_prefix_cache (vLLM's): every tier emptied, the pool whole, the same answers after
+    assert engine.reset_prefix_cache()
+    engine.core.memory.check_integrity()
+    empty = engine.memory_stats()
+    assert empty["cache_pages"] == empty["host_pages"] == empty["disk_pages"] == 0
+    assert empty["pages_free"] == empty["pages_total"]
+    again, _ = _conversations(engine, starts[:1], [t[:1] for t in turns])
+    assert again == _conversations(gemma_off, starts[:1], [t[:1] for t in turns])[0]
     engine.core.cache.close()
 
 
