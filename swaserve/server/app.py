@@ -963,11 +963,11 @@ async def _chat_begin(
 ) -> tuple[_ChatView, asyncio.Queue, list[str]]:
     """A chat request checked, rendered and started: its view, its queue and request ids."""
     params = _params(state, body)
-    grammar_field = _grammar_field(body)
+    asked = params.structured_outputs
     plan, params = _tool_plan(state, body, params)
-    if plan is not None and plan.structured_outputs() is not None:
-        grammar_field = "tools"  # the grammar holds the tools' calls
-    await _check_grammar(state, params, grammar_field)
+    # a grammar the tools brought holds their calls: its errors name `tools`
+    tools_grammar = params.structured_outputs is not asked
+    await _check_grammar(state, params, "tools" if tools_grammar else _grammar_field(body))
     params = _keep_markers(state, body, plan, params)
     prompt, ids = await _off_loop(state, _chat_prompt, state, body, plan)
     if state.reasoning_parser and params.structured_outputs is not None:
