@@ -19,11 +19,12 @@ Per rank r of T (Megatron's split, one all-reduce after attention and one after 
                    fc, the norms and rotary replicated; the target's embedding and head serve
                    it (distributed/dflash_tp.py)
 
-Norms (q/k norms are per head), rotary and the experts' router are replicated. Biases of a
-row-parallel layer are added by rank 0 alone, so the all-reduce sums them once. Under expert
-parallelism (`experts=False`) the experts are not cut here: each rank holds whole experts of its
-own (expert_shards.py), and their output is summed over the ranks by the MoE exchange
-(expert_parallel.py).
+Norms, rotary and the experts' router are replicated, except q/k norms over whole projections
+(OLMo 2/3: `ProjectionRMSNorm`), cut with the heads and summing their squares over the ranks.
+Biases of a row-parallel layer are added by rank 0 alone, so the all-reduce sums them once.
+Under expert parallelism (`experts=False`) the experts are not cut here: each rank holds whole
+experts of its own (expert_shards.py), and their output is summed over the ranks by the MoE
+exchange (expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch import nn
 
 from swaserve.distributed.parallel_state import TPGroup
 from swaserve.distributed.sharding import Shard
-from swaserve.models.blocks import Attention, GatedMLP
+from swaserve.models.blocks import Attention, GatedMLP, RMSNorm
 from swaserve.models.moe import SparseMoE
 from swaserve.speculative.dflash_config import DFlashConfig
 from swaserve.speculative.dflash_model import DFlashAttention, DFlashDrafter
@@ -44,7 +45,11 @@ from swaserve.speculative.dflash_model import DFlashAttention, DFlashDrafter
 
 class RowParallelLinear(nn.Linear):
     """A Linear whose input features are split over the ranks: partial products, summed by one
-    all-reduce. The bias (replicated) is added on rank 0 only."""
+    all-reduce. The bias (replicated) is added on rank 0 only. `reduce = False`: the partial
+    sum is returned and the caller all-reduces it (Cohere2's parallel block sums attention and MLP
+    first, one all-reduce for both)."""
+
+    reduce = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -52,7 +57,26 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        out = F.linear(x, self.weight, bias)
+        return self.tp.all_reduce(out) if self.reduce else out
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """An RMSNorm over a whole projection whose features are split over the ranks (OLMo 2/3's q/k
+    norms): each rank holds `dim` of them, and the mean square is the all-reduced sum of squares
+    over `dim * T`. A KV head replicated on T/K ranks (fewer KV heads than ranks) enters the
+    sum T/K times, as every head does in `dim * T`, so the mean is the whole projection's."""
+
+    def __init__(self, dim: int, eps: float, tp: TPGroup) -> None:
+        super().__init__(dim, eps)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        squares = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))  # [T, 1]
+        xf = xf * torch.rsqrt(squares / (x.shape[-1] * self.tp.size) + self.eps)
+        return self.weight * xf.to(dtype)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -135,7 +159,18 @@ class _Planner:
         s = a.spec
         (h0, h1), (k0, k1) = self.projections(a, prefix, s.num_heads, s.num_kv_heads, s.head_dim)
         self.keep(a, prefix, "sinks", 0, [(h0, h1)])
+        if a.qk_norm_whole:  # norms over the whole q/k projections: cut with them, reduced
+            d = s.head_dim
+            a.q_norm = self._projection_norm(a.q_norm, f"{prefix}q_norm.", (h0 * d, h1 * d))
+            a.k_norm = self._projection_norm(a.k_norm, f"{prefix}k_norm.", (k0 * d, k1 * d))
         a.spec = dataclasses.replace(s, num_heads=h1 - h0, num_kv_heads=k1 - k0)
+
+    def _projection_norm(
+        self, norm: RMSNorm, prefix: str, cols: tuple[int, int]
+    ) -> ProjectionRMSNorm:
+        new = ProjectionRMSNorm(cols[1] - cols[0], norm.eps, self.tp).to(norm.weight.dtype)
+        self.shards[f"{prefix}weight"] = Shard(tuple(norm.weight.shape), 0, (cols,))
+        return new
 
     def projections(
         self, a: nn.Module, prefix: str, num_heads: int, num_kv_heads: int, d: int

@@ -272,6 +272,23 @@ class AttentionSpec:
     softcap: float | None = None
 
 
+def attention_spec(
+    config: Any, layer_id: int, window: int | None, scale: float | None = None, **extra: Any
+) -> AttentionSpec:
+    """The spec of layer `layer_id` from a Hugging Face config: its heads, head size (`head_dim`
+    or hidden / heads) and window; the scale defaults to 1 / sqrt(head_dim)."""
+    hd = head_dim_of(config)
+    return AttentionSpec(
+        layer_id=layer_id,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=hd,
+        scale=hd**-0.5 if scale is None else scale,
+        window=window,
+        **extra,
+    )
+
+
 class Attention(nn.Module):
     """q/k/v/o projections, optional per-head q/k norms, rotary, then the paged backend."""
 
@@ -283,6 +300,7 @@ class Attention(nn.Module):
     # q and k norm factors stacked per head
     cpu_prologue = False
     cpu_qk_scale: torch.Tensor | None = None
+    qk_norm_whole = False  # q/k norms over the whole projections (OLMo 2/3): see __init__
 
     def __init__(
         self,
@@ -294,8 +312,11 @@ class Attention(nn.Module):
         qk_norm_unit_offset: bool = False,
         sinks: bool = False,
         o_bias: bool | None = None,
+        qk_norm_whole: bool = False,
     ) -> None:
-        """`bias`: q/k/v (and o, unless `o_bias` says otherwise: Qwen2 biases q/k/v only)."""
+        """`bias`: q/k/v (and o, unless `o_bias` says otherwise: Qwen2 biases q/k/v only).
+        `qk_norm_whole`: the q/k norms span the whole q and k projections (OLMo 2/3), not each
+        head; they run on the flat projections before anything else (never in a prologue)."""
         super().__init__()
         self.spec = spec
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -303,9 +324,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kvh * d, bias=bias)
         self.v_proj = nn.Linear(hidden, kvh * d, bias=bias)
         self.o_proj = nn.Linear(h * d, hidden, bias=bias if o_bias is None else o_bias)
+        self.qk_norm_whole = qk_norm_whole and qk_norm_eps is not None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(d, qk_norm_eps, qk_norm_unit_offset)
-            self.k_norm = RMSNorm(d, qk_norm_eps, qk_norm_unit_offset)
+            qd, kd = (h * d, kvh * d) if self.qk_norm_whole else (d, d)
+            self.q_norm = RMSNorm(qd, qk_norm_eps, qk_norm_unit_offset)
+            self.k_norm = RMSNorm(kd, qk_norm_eps, qk_norm_unit_offset)
         else:
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.zeros(h)) if sinks else None
@@ -350,12 +373,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         t = q.shape[0]
         s = self.spec
+        if self.qk_norm_whole and not kv_stored:  # over all heads: before the head views
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, s.num_heads, s.head_dim)
         k = k.view(t, s.num_kv_heads, s.head_dim)
         v = v.view(t, s.num_kv_heads, s.head_dim)
         prologue = None if kv_stored else self.prologue(fb.backend)
         if prologue is None and not kv_stored:
-            if self.q_norm is not None:
+            if self.q_norm is not None and not self.qk_norm_whole:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
         out = fb.backend.forward(q, k, v, s, self.sinks, fb, prologue=prologue,
@@ -394,7 +419,10 @@ class Attention(nn.Module):
         if self._prologue is None:
             from swaserve.attention.kernels.rope_store import QKPrologue
 
-            self._prologue = QKPrologue(self.rotary, self.q_norm, self.k_norm)
+            if self.qk_norm_whole:  # already applied by `_attend`: rotary and the store only
+                self._prologue = QKPrologue(self.rotary)
+            else:
+                self._prologue = QKPrologue(self.rotary, self.q_norm, self.k_norm)
         return self._prologue
 
 
@@ -420,6 +448,27 @@ def layer_type_names(config: Any) -> list[str]:
 def head_dim_of(config: Any) -> int:
     hd = getattr(config, "head_dim", None)
     return hd if hd else config.hidden_size // config.num_attention_heads
+
+
+def residual_stack(
+    layers: nn.ModuleList,
+    norm: nn.Module,
+    h: torch.Tensor,
+    fb: ForwardBatch,
+    method: str = "forward",
+) -> torch.Tensor:
+    """Layers that each map the residual stream to the next (`layer.<method>(positions, h, fb)`,
+    no normed copy between them), then the final norm; the hidden states DFlash reads are kept
+    per layer as they come (`fb.keep`). Returns the normed output."""
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        h = getattr(layer, method)(fb.positions, h, fb)
+        if fb.keep_layers and i != last:
+            fb.keep(i, h, h, False)
+    x = norm(h)
+    if fb.keep_layers:
+        fb.keep(last, h, x, True)
+    return x
 
 
 def head_module(model: nn.Module) -> nn.Module:

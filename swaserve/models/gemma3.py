@@ -13,11 +13,11 @@ from torch import nn
 from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.models.blocks import (
     Attention,
-    AttentionSpec,
     GatedMLP,
     RMSNorm,
     Rotary,
     add_rmsnorm,
+    attention_spec,
     head_dim_of,
     head_logits,
     layer_type_names,
@@ -34,17 +34,12 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         hd = head_dim_of(config)
         eps = config.rms_norm_eps
-        spec = AttentionSpec(
-            layer_id=layer_id,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=hd,
-            scale=config.query_pre_attn_scalar**-0.5,
-            window=window,
+        spec = attention_spec(
+            config, layer_id, window, config.query_pre_attn_scalar**-0.5,
             # Gemma 3 keeps `attn_logit_softcapping` in its config but the reference
             # implementation never applies it; Gemma 2's does.
             softcap=getattr(config, "attn_logit_softcapping", None) if gemma2 else None,
-        )
+        )  # fmt: skip
         rotary = Rotary(
             rope_inv_freq(config, hd, layer_type), rope_attention_scaling(config, layer_type)
         )

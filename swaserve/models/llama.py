@@ -14,15 +14,16 @@ from torch import nn
 from swaserve.engine.forward_batch import ForwardBatch
 from swaserve.models.blocks import (
     Attention,
-    AttentionSpec,
     GatedMLP,
     RMSNorm,
     Rotary,
     add_rmsnorm,
+    attention_spec,
     head_dim_of,
     head_logits,
     head_module,
     layer_windows,
+    residual_stack,
     rope_attention_scaling,
     rope_inv_freq,
 )
@@ -34,14 +35,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         hd = head_dim_of(config)
-        spec = AttentionSpec(
-            layer_id=layer_id,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=hd,
-            scale=hd**-0.5,
-            window=window,
-        )
+        spec = attention_spec(config, layer_id, window)
         inv_freq = rope_inv_freq(config, hd, None)
         # SmolLM3's NoPE layers (no_rope_layers[i] == 0): zero frequencies rotate by nothing
         # (cos 1, sin 0), so every fused rotary path leaves q and k as they are
@@ -154,15 +148,7 @@ class LlamaModel(nn.Module):
         return self._gemv_ready
 
     def _forward_gemv(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            h = layer.forward_gemv(fb.positions, h, fb)
-            if fb.keep_layers and i != last:
-                fb.keep(i, h, h, False)
-        x = self.norm(h)
-        if fb.keep_layers:
-            fb.keep(last, h, x, True)
-        return x
+        return residual_stack(self.layers, self.norm, h, fb, "forward_gemv")
 
 
 class LlamaForCausalLM(nn.Module):

@@ -20,6 +20,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("swaserve.models.gemma3", "Gemma3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("swaserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("swaserve.models.gpt_oss", "GptOssForCausalLM"),
+    # Cohere2 (Command R7B, Command A): parallel attention + MLP, sliding layers rotated
+    "Cohere2ForCausalLM": ("swaserve.models.cohere2", "Cohere2ForCausalLM"),
+    # post-norm layers (norm after attention and after the MLP): OLMo 2/3, EXAONE 4
+    "Olmo2ForCausalLM": ("swaserve.models.olmo", "Olmo2ForCausalLM"),
+    "Olmo3ForCausalLM": ("swaserve.models.olmo", "Olmo3ForCausalLM"),
+    "Exaone4ForCausalLM": ("swaserve.models.olmo", "Exaone4ForCausalLM"),
 }
 # Text-only configs saved without `architectures` still name their model_type.
 _MODEL_TYPES = {
@@ -34,6 +40,10 @@ _MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
 
 

@@ -50,6 +50,8 @@ def enable(model: torch.nn.Module) -> None:
             rot = m.rotary
             if 2 * rot.inv_freq_host.shape[0] != m.spec.head_dim:  # partial rotary
                 continue
+            if m.qk_norm_whole:  # norms over whole projections (OLMo 2/3): the eager split path
+                continue
             if m.q_norm is not None and m.q_norm.eps != m.k_norm.eps:
                 continue
             s = m.spec

@@ -71,6 +71,9 @@ ARCHS: dict[str, ArchSpec] = {
     # HF Gemma3RMSNorm computes x * (1 + w); llama.cpp stores 1 + w.
     "gemma3": ArchSpec("gemma3_text", _GEMMA3_LAYER, norm_offset=1.0),
     "gemma2": ArchSpec("gemma2", _GEMMA3_LAYER, norm_offset=1.0),  # no q/k norm tensors
+    # Command R7B: one input norm (a LayerNorm, weight only), q/k rows stored as HF's (llama.cpp
+    # rotates pairs of consecutive dims, as Cohere does)
+    "cohere2": ArchSpec("cohere2", _LLAMA_LAYER),
 }
 # HF model_type -> architectures entry.
 _HF_ARCHITECTURES = {
@@ -80,6 +83,7 @@ _HF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
 }
 # End-of-turn tokens also added to generation_config's eos ids when the vocab has them.
 _END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
@@ -220,6 +224,16 @@ def build_config(meta: dict[str, Any], tensor_names: set[str]) -> Any:
         )
         kw["attn_logit_softcapping"] = float(meta.get("gemma2.attn_logit_softcapping", 50.0))
         kw["final_logit_softcapping"] = float(meta.get("gemma2.final_logit_softcapping", 30.0))
+    elif model_type == "cohere2":
+        # llama.cpp's Cohere2: every 4th layer full (its hard-coded pattern, transformers'
+        # default too), LayerNorm eps and the logit scale from the metadata
+        n = kw["num_hidden_layers"]
+        kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                             for i in range(n)]  # fmt: skip
+        del kw["rms_norm_eps"]
+        kw["layer_norm_eps"] = _round_f32(meta.get("cohere2.attention.layer_norm_epsilon", 1e-5))
+        kw["logit_scale"] = _round_f32(meta.get("cohere2.logit_scale", 1.0))
+        kw["rope_parameters"] = rope
     else:
         kw["rope_parameters"] = rope
     config = AutoConfig.for_model(model_type, **kw)

@@ -61,6 +61,7 @@ _PRE_TOKENIZERS = {
     "starcoder": lambda: _byte_level(digits=True),
     "refact": lambda: _byte_level(digits=True),
     "codeshell": lambda: _byte_level(digits=True),
+    "command-r": lambda: _byte_level(digits=True),  # Cohere (Command R, R7B, A)
     "llama-bpe": lambda: _byte_level(_LLAMA3_RE),
     "llama3": lambda: _byte_level(_LLAMA3_RE),
     "qwen2": lambda: _byte_level(_QWEN2_RE),

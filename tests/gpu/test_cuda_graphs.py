@@ -52,6 +52,26 @@ def tiny(tmp_path_factory):
             num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=2048,
             pad_token_id=0, bos_token_id=1, eos_token_id=2,
         ),
+        # parallel block, weight-only LayerNorm, interleaved rotary permuted at load, NoPE full
+        "cohere2": transformers.Cohere2Config(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+            num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=2048,
+            sliding_window=24, logit_scale=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                         "full_attention"],
+        ),
+        # post-norm layers: whole-projection q/k norms (OLMo 3), per-head and NoPE (EXAONE 4)
+        "olmo3": transformers.Olmo3Config(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+            num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=2048,
+            sliding_window=24, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        ),
+        "exaone4": transformers.Exaone4Config(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+            num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=2048,
+            sliding_window=24, sliding_window_pattern=2, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2,
+        ),
     }
     for name, cfg in cfgs.items():
         folder = tmp_path_factory.mktemp(name)
@@ -59,7 +79,8 @@ def tiny(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2", "phi3", "cohere2", "olmo3",
+                                  "exaone4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_decode_equals_eager(tiny, name, dtype):
     folder = tiny[name][0]
@@ -75,7 +96,8 @@ def test_graph_decode_equals_eager(tiny, name, dtype):
     assert toks[0] == toks[8]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen2", "gemma2", "phi3", "smollm3"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen2", "gemma2", "phi3", "smollm3",
+                                  "cohere2", "olmo3", "exaone4"])
 def test_engine_logits_equal_transformers_on_gpu(tiny, name):
     folder, ref = tiny[name]
     e = Engine(model=str(folder), dtype="float32", kv_cache_gb=0.05, page_size=16,
