@@ -6,6 +6,9 @@ beside the engine:
     - `add` messages whose samples carry a bootstrap key (the 4th item of each sample, from
       the router's headers) go to the side; others are served as on any instance;
     - `abort`s go to the side first (it owns its samples until they run in the engine);
+    - `reset_prefix_cache` empties this instance's own cache, as on any instance, but only
+      while the side holds no sample (`held`): a decode reservation locks the hit it counted
+      on, a held prefill sample's pages are still in the tree;
     - every iteration the side reads its peers' messages and transfer notifications, moves
       reservations and writes along, and its outputs and rejects go to the frontend; while it
       has samples the loop polls every POLL_MS instead of sleeping up to a second;
@@ -26,7 +29,17 @@ import zmq
 from swaserve.disaggregation import bootstrap as B
 from swaserve.disaggregation.transfer import create_transfer_backend
 from swaserve.server.core_process import CoreLoop, CorePipes, core_stats
-from swaserve.server.ipc import ABORT, ADD, OUTPUTS, READY, REJECT, SHUTDOWN, decode
+from swaserve.server.ipc import (
+    ABORT,
+    ADD,
+    OUTPUTS,
+    PREFIX_CACHE_RESET,
+    READY,
+    REJECT,
+    RESET_PREFIX_CACHE,
+    SHUTDOWN,
+    decode,
+)
 
 log = logging.getLogger(__name__)
 POLL_MS = 2
@@ -86,7 +99,16 @@ class DisaggCoreLoop(CoreLoop):
         elif msg[0] == READY:
             msg[1]["disaggregation"] = self.info()
             msg[1]["stats"]["kv_transfer"] = self.side.stats.report()
+        elif msg[0] == PREFIX_CACHE_RESET:
+            msg[3]["kv_transfer"] = self.side.stats.report()
         super().send(msg)
+
+    def held(self) -> bool:
+        """Samples the side owns (waiting for their other half, computed and held until their
+        pages are sent, reserved for pages on their way here): the cache is not reset under
+        them (a decode reservation may count on cached pages; a held prefill sample's pages
+        are still in the tree)."""
+        return super().held() or self.side.busy()
 
     def read_inputs(self, timeout_ms: int) -> bool:
         if self.side.busy():
@@ -107,6 +129,8 @@ class DisaggCoreLoop(CoreLoop):
                     self.core.abort_requests(rest)
                     for cid in msg[1]:
                         self.queued.pop(cid, None)
+                elif kind == RESET_PREFIX_CACHE:  # this instance's own cache (CoreLoop's)
+                    self.reset_prefix_cache(msg[1])
                 elif kind == SHUTDOWN:
                     self.running = False
                 else:

@@ -11,7 +11,8 @@ An instance that cannot be reached is marked down and probed again after a back-
 /v1/disaggregation answering brings it back); a request that could not reach an instance goes
 to another pair before anything reached the client; with no pair up the client gets a 503
 with the OpenAI error body, naming the instances and why. `--api-key` is checked here and
-sent on to the instances (they share it).
+sent on to the instances (they share it). `/reset_prefix_cache` and `/flush_cache` go to every
+instance (`reset_everywhere`).
 """
 
 from __future__ import annotations
@@ -178,6 +179,18 @@ def build_router_app(router: Router) -> FastAPI:
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type"))
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        return await reset_everywhere(router)
+
+    @app.post("/flush_cache")  # SGLang's name
+    async def flush_cache() -> Response:
+        return await reset_everywhere(router)
+
+    @app.get("/flush_cache")
+    async def flush_cache_get() -> Response:
+        return await reset_everywhere(router)
+
     @app.get("/v1/models")
     async def models() -> Response:
         return await from_decode("/v1/models")
@@ -209,6 +222,38 @@ def build_router_app(router: Router) -> FastAPI:
     add_stored_response_routes(app, router.responses)
 
     return app
+
+
+async def reset_everywhere(router: Router) -> Response:
+    """`/reset_prefix_cache` on every instance, prefill and decode, at once (server/app.py's
+    route: each empties its own cache unless it has requests): 200 `{"reset": true}` when all
+    did; else the OpenAI error body naming each that did not, with 503 if one could not be
+    reached or answered 5xx, or else the instances' own status (400: requests running). An
+    instance that emptied its cache is forgotten by its pool's prefix affinity."""
+
+    async def one(inst: Instance) -> tuple[int, str]:
+        try:
+            r = await router.client.post(inst.url + "/reset_prefix_cache",
+                                         headers=router.headers(), timeout=INFO_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return 503, router.down(inst, e).message
+        if r.status_code == 200:
+            (router.prefill if inst.role == "prefill" else router.decode).affinity.forget(
+                inst.index)
+            return 200, ""
+        try:
+            why = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = r.text[:200]
+        return r.status_code, f"{inst.role} instance {inst.url}: {why}"
+
+    answers = await asyncio.gather(*(one(i) for i in router.instances))
+    failed = [(status, why) for status, why in answers if status != 200]
+    if not failed:
+        return JSONResponse({"reset": True})
+    status = 503 if any(s >= 500 for s, _ in failed) else failed[0][0]
+    raise APIError(status, "the prefix cache was not reset everywhere: "
+                   + "; ".join(why for _, why in failed))
 
 
 def serve_router(prefill: list[str], decode: list[str], host: str, port: int,

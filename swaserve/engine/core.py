@@ -559,9 +559,18 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (device pages and offload tiers), as vLLM's: False, and
-        nothing dropped, while a request runs or waits."""
-        if self.has_unfinished():
+        nothing dropped, while a request runs or waits.
+
+        A step still in flight whose requests have all finished or been aborted since it was
+        launched (the overlap schedule; an abort for a stop string just before the reset) is
+        read back first: every token it sampled is discarded (`_resolve` skips finished
+        requests), so nothing comes out, and the reset does not fail for a step nobody waits
+        on. No collective is involved (the read-back is this rank's own), so an
+        expert-parallel rank may do it alone, between two of its lockstep `step`s."""
+        if self.scheduler.has_unfinished():
             return False
+        if self._inflight is not None:
+            self._resolve()  # its requests all finished: what it sampled goes to no one
         if self.cache is not None:
             self.cache.reset()
         return True

@@ -504,11 +504,12 @@ class RadixCache:
             "the prefix cache is reset only while no request uses it"
         self.wait_loads()
         self.move_pages()  # queued stores land (their slots are freed below) and pins drop
-        freed = 0
+        freed, evicted = 0, self.evicted_pages
         for child in list(self.root.children.values()):
             for node in self._postorder(child):
                 freed += self._remove_node(node)
         self._reap()
+        self.evicted_pages = evicted  # a reset is no eviction under pressure (/metrics' count)
         # the queues' entries are all stale now: start them empty
         self._lru, self._swa_lru = LruQueue(), LruQueue()
         self._tier_lru = [LruQueue() for _ in self.tiers]

@@ -11,8 +11,13 @@ the prefix cache and its tiers) and queue lengths (with `--data-parallel-size` >
 the replicas plus `ranks`, one entry each); `GET /` serves the playground page
 (`swaserve/server/static/`, plain files, nothing external) unless `--disable-playground`.
 
-Statuses: 400 invalid request (never FastAPI's 422) or prompt + max_tokens beyond the context;
-401 wrong or missing key (`/v1/*` only); 404 unknown model or path; 503 queue full or core gone.
+`POST /reset_prefix_cache` (vLLM's name) and `POST|GET /flush_cache` (SGLang's) empty the
+prefix cache of every core, device pages and host/disk tiers (`reset_prefix_cache` below says
+when it is refused).
+
+Statuses: 400 invalid request (never FastAPI's 422), prompt + max_tokens beyond the context, or
+a cache reset while requests run; 401 wrong or missing key (`/v1/*`, the tokenizer routes, the
+cache resets); 404 unknown model or path; 503 queue full or core gone.
 A client that goes away (stream or not) aborts its requests in the core.
 """
 
@@ -196,7 +201,9 @@ def bad(message: str, param: str | None = None) -> APIError:
 # ---- app ------------------------------------------------------------------------------------
 
 
-_KEYED = ("/v1", "/tokenize", "/detokenize")  # paths the API key guards
+# paths the API key guards: the API, the tokenizer's routes, and the cache reset (anyone who
+# could call it could slow everyone down)
+_KEYED = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache", "/flush_cache")
 
 
 def _version() -> str:
@@ -209,8 +216,8 @@ def _version() -> str:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/* and on /tokenize and /detokenize (work for the
-    tokenizer thread); health and metrics stay open, as in vLLM."""
+    """`Authorization: Bearer KEY` on /v1/*, on /tokenize and /detokenize (work for the
+    tokenizer thread) and on the cache resets; health and metrics stay open, as in vLLM."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
@@ -318,6 +325,18 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({**state.disaggregation, "model": state.model_name,
                              "max_model_len": state.max_model_len})
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        return await _reset_prefix_cache(state)
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        return await _reset_prefix_cache(state)
+
+    @app.get("/flush_cache")  # SGLang's route takes GET too (one function each: one OpenAPI id)
+    async def flush_cache_get() -> Response:
+        return await _reset_prefix_cache(state)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [state.model_card()]}
@@ -351,6 +370,37 @@ def build_app(state: ServerState) -> FastAPI:
     add_stored_response_routes(app, state.responses)
     _document_errors(app)
     return app
+
+
+async def _reset_prefix_cache(state: ServerState) -> Response:
+    """Empty every core's prefix cache (EngineCore.reset_prefix_cache: device pages, host and
+    disk tiers), e.g. between benchmark runs so the next starts cold: 200 `{"reset": true}`.
+
+    While requests run or wait in a core, that core drops nothing, and the answer is a 400 with
+    the OpenAI error body (code `requests_in_flight`). This is SGLang's rule for /flush_cache
+    (200 when flushed, 400 when requests run or wait, nothing done). vLLM's core refuses the
+    same way (its block pool resets only with no block in use, unless asked with
+    `reset_running_requests=true` to preempt the running requests first), but its route answers
+    200 whatever the core did ("we currently do not check if the prefix cache is successfully
+    reset", an empty body; the route only exists with VLLM_SERVER_DEV_MODE=1): a benchmark would
+    then measure a warm cache believing it cold. Saying so is the saner choice; the caller
+    retries once its requests are done. (No `reset_running_requests` here: a running request
+    would be preempted and recomputed, which a reset meant for a cold start does not need.)
+    With `--data-parallel-size` > 1 every replica (or expert-parallel rank) is asked; the
+    answer is 200 only if all emptied theirs (on a 400 the idle ones still did). A core that
+    is gone: 503."""
+    try:
+        ok = await state.client.reset_prefix_cache()
+    except CoreUnavailable as e:
+        raise APIError(503, str(e)) from None
+    if not ok:
+        raise APIError(
+            400,
+            "the prefix cache was not reset: requests are running or waiting "
+            f"({state.client.num_in_flight} in flight); retry once they are done",
+            code="requests_in_flight",
+        )
+    return JSONResponse({"reset": True})
 
 
 def memory_view(stats: dict) -> dict:
@@ -411,6 +461,12 @@ def _document_errors(app: FastAPI) -> None:
                     elif path in ("/tokenize", "/detokenize"):
                         codes = ("400", "401", "404")
                         responses.update({k: {"description": errors[k]} for k in codes})
+                    elif path in ("/reset_prefix_cache", "/flush_cache"):
+                        responses.update({
+                            "400": {"description": "Requests running or waiting: not reset"},
+                            "401": {"description": errors["401"]},
+                            "503": {"description": "Engine core gone"},
+                        })
                     elif path.startswith("/v1/"):
                         responses.update({k: {"description": v} for k, v in errors.items()})
             app.openapi_schema = schema

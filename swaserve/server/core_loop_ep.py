@@ -12,6 +12,13 @@ same collectives in the same order (swaserve/distributed/expert_parallel.py).
         leave once the agreement said some rank stops (shutdown, or its server gone): all
             ranks leave after the same step, none is left waiting in a collective
 
+`reset_prefix_cache` (CoreLoop's) empties this rank's own cache only, answered from this
+rank's state alone: the reset is bookkeeping plus this rank's own offload-tier copies (and its
+tensor-parallel workers' replay of them), with no collective among the ranks, and each rank's
+cache serves only its own requests, so no rank needs another's agreement (the frontend asks
+every rank and answers with the AND: server/dp_client.py). It happens between two `step`s, so
+the ranks' lockstep (one agreement per step) is untouched.
+
 A peer that died fails the next agreement or exchange with a RankFailure naming its rank: the
 core sends `dead` and exits, and the frontend's watchdog takes the server down.
 """

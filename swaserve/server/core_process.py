@@ -44,8 +44,10 @@ from swaserve.server.ipc import (
     ADD,
     DEAD,
     OUTPUTS,
+    PREFIX_CACHE_RESET,
     READY,
     REJECT,
+    RESET_PREFIX_CACHE,
     SHUTDOWN,
     decode,
     encode,
@@ -211,11 +213,29 @@ class CoreLoop:
                 self._drop_compiling(set(msg[1]))
                 for cid in msg[1]:
                     self.queued.pop(cid, None)
+            elif kind == RESET_PREFIX_CACHE:
+                self.reset_prefix_cache(msg[1])
             elif kind == SHUTDOWN:
                 self.running = False
                 return True
             else:
                 log.error("unknown message kind %r", kind)
+
+    def reset_prefix_cache(self, seq: int) -> None:
+        """Answers `reset_prefix_cache` `seq`: the cache is emptied (EngineCore's) only while
+        no request is here, running, waiting, or compiling its grammar (`held`); else nothing
+        is dropped and the answer is False. Messages are handled in order, so an abort the
+        frontend sent before the reset (a stop string, a client gone) counts as done."""
+        ok = not self.held() and self.core.reset_prefix_cache()
+        if ok:
+            log.info("prefix cache reset")
+        else:
+            log.info("prefix cache not reset: requests are running or waiting")
+        self.send([PREFIX_CACHE_RESET, seq, ok, core_stats(self.core)])
+
+    def held(self) -> bool:
+        """Requests this loop holds outside the engine's scheduler (grammars compiling)."""
+        return bool(self.compiling)
 
     def _drop_compiling(self, cids: set[str]) -> None:
         """An aborted request whose grammar still compiles is never added."""

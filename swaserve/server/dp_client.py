@@ -99,6 +99,20 @@ class DPClient:
     def is_live(self, request_id: str) -> bool:
         return any(c.is_live(request_id) for c in self.clients)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Every replica empties its own prefix cache (CoreClient.reset_prefix_cache; under
+        expert parallelism each rank alone, core_loop_ep.py): True only if all did. A replica
+        that had requests keeps its cache while the idle ones empty theirs (as vLLM's DP
+        client, the AND of the ranks' answers). The affinity of the replicas that emptied is
+        forgotten: their caches no longer hold those prefixes."""
+        if self.dead is not None:
+            raise CoreUnavailable(f"engine core is not running: {self.dead}")
+        done = await asyncio.gather(*(c.reset_prefix_cache() for c in self.clients))
+        for rank, ok in enumerate(done):
+            if ok:
+                self.affinity.forget(rank)
+        return all(done)
+
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -4,13 +4,15 @@ Two PUSH/PULL pipes, both bound by the frontend (the core connects); IPC on one 
 a core on another node (`--nnodes`, server/nodes.py), whose link is then watched from both ends
 (server/link_watch.py):
 
-    frontend --[add | abort | shutdown]--> core        (`in` pipe)
-    frontend <--[ready | outputs | reject | dead]-- core  (`out` pipe)
+    frontend --[add | abort | reset_prefix_cache | shutdown]--> core        (`in` pipe)
+    frontend <--[ready | outputs | reject | prefix_cache_reset | dead]-- core  (`out` pipe)
 
 Every message is a msgpack list whose first item is its kind:
 
     ["add", [[core_id, prompt_token_ids, SamplingParams.to_dict()], ...]]   all or none
     ["abort", [core_id, ...]]
+    ["reset_prefix_cache", seq]                           empty the prefix cache (every tier),
+                                                          unless a request runs or waits
     ["shutdown"]
     ["ready", {"max_model_len", "context_by_kv_pool", "vocab_size", "pid", "stats"}]
     ["outputs", [wire(EngineCoreOutput), ...], stats, queue_times]
@@ -20,6 +22,10 @@ Every message is a msgpack list whose first item is its kind:
     ["reject", [core_id, ...], message, status?]          an add the core refused (ValueError;
                                                           status 400), or a PD transfer that
                                                           failed (503)
+    ["prefix_cache_reset", seq, ok, stats]                the answer to reset_prefix_cache `seq`
+                                                          (ok: it was emptied; False: requests
+                                                          ran, nothing dropped) with the stats
+                                                          after it
     ["dead", message, blames]                             the core's last words (a traceback,
                                                           or one line for a bad flag at start)
                                                           and the peer data-parallel rank they
@@ -27,7 +33,9 @@ Every message is a msgpack list whose first item is its kind:
 
 `CoreClient` is the frontend half: it owns the `OutputProcessor` (detokenizing, stop strings),
 hands each user request's `RequestOutput`s to that request's asyncio queue, and never waits on
-the core: sends never block (unbounded send queue), receives run in their own task.
+the core: sends never block (unbounded send queue), receives run in their own task. A reset
+(`reset_prefix_cache`) is the one call that waits for the core's answer: on a future the
+receive task resolves (a reply carries its message's `seq`), never by blocking the event loop.
 """
 
 from __future__ import annotations
@@ -50,8 +58,9 @@ from swaserve.server.link_watch import attach
 
 log = logging.getLogger(__name__)
 
-ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+ADD, ABORT, RESET_PREFIX_CACHE, SHUTDOWN = "add", "abort", "reset_prefix_cache", "shutdown"
 READY, OUTPUTS, REJECT, DEAD = "ready", "outputs", "reject", "dead"
+PREFIX_CACHE_RESET = "prefix_cache_reset"
 
 
 # ---- wire format ----------------------------------------------------------------------------
@@ -175,6 +184,9 @@ class CoreClient:
         self.blames: int | None = None  # the peer rank its last words say is gone (or None)
         self.ready = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # reset_prefix_cache calls waiting for the core's answer, by their message's seq
+        self._resets: dict[int, asyncio.Future] = {}
+        self._reset_seq = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -214,6 +226,10 @@ class CoreClient:
         for rid, q in list(self._queues.items()):
             q.put_nowait((rid, RequestFailed(f"engine core died: {reason}", 503)))
             self._forget(rid)
+        for fut in self._resets.values():
+            if not fut.done():
+                fut.set_exception(CoreUnavailable(f"engine core died: {reason}"))
+        self._resets.clear()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -280,6 +296,21 @@ class CoreClient:
     def is_live(self, request_id: str) -> bool:
         return request_id in self._queues
 
+    async def reset_prefix_cache(self) -> bool:
+        """Asks the core to empty its prefix cache (EngineCore.reset_prefix_cache): True once it
+        did, False if requests ran or waited there (nothing dropped). Waits on a future the
+        receive task resolves; raises CoreUnavailable if the core is or goes away first."""
+        if self.dead is not None:
+            raise CoreUnavailable(f"engine core is not running: {self.dead}")
+        self._reset_seq += 1
+        seq = self._reset_seq
+        fut = self._resets[seq] = asyncio.get_running_loop().create_future()
+        try:
+            self._send.send(encode([RESET_PREFIX_CACHE, seq]))
+            return await fut
+        finally:  # answered, failed, or the HTTP call went away meanwhile
+            self._resets.pop(seq, None)
+
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         for cid in self._req_to_core.pop(request_id, []):
@@ -301,9 +332,8 @@ class CoreClient:
         kind = msg[0]
         if kind == OUTPUTS:
             self._on_outputs([output_from_wire(w) for w in msg[1]])
-            self.stats = msg[2]
+            self._update_stats(msg[2])
             if self.metrics is not None:
-                self.metrics.update_core_stats(self.stats)
                 for seconds in msg[3] if len(msg) > 3 else []:
                     self.metrics.queue_time.observe(seconds)
         elif kind == REJECT:
@@ -316,6 +346,12 @@ class CoreClient:
                 if others:
                     self._send.send(encode([ABORT, others]))
                 q.put_nowait((rid, RequestFailed(msg[2], msg[3] if len(msg) > 3 else 400)))
+        elif kind == PREFIX_CACHE_RESET:
+            _, seq, ok, stats = msg
+            self._update_stats(stats)  # the cache's pages are gone from /v1/memory at once
+            fut = self._resets.pop(seq, None)
+            if fut is not None and not fut.done():
+                fut.set_result(bool(ok))
         elif kind == READY:
             self.info = msg[1]
             if "max_num_seqs" in self.info:
@@ -329,6 +365,11 @@ class CoreClient:
             self.blames = msg[2]
             self.fail_all(msg[1].strip().splitlines()[-1] if msg[1].strip() else "unknown error")
             self.ready.set()  # wakes a startup waiting for "ready"
+
+    def _update_stats(self, stats: dict) -> None:
+        self.stats = stats
+        if self.metrics is not None:
+            self.metrics.update_core_stats(stats)
 
     def _on_outputs(self, outs: list[EngineCoreOutput]) -> None:
         self._observe(outs)

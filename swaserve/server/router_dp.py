@@ -70,6 +70,10 @@ class PrefixAffinity:
         """Per replica, the longest of `keys` (a prompt's prefix_keys) it served recently."""
         return [max((k[0] for k in keys if k in lru), default=0) for lru in self.seen]
 
+    def forget(self, replica: int) -> None:
+        """The replica's prefix cache was emptied (reset_prefix_cache): nothing is remembered."""
+        self.seen[replica].clear()
+
     def record(self, replica: int, keys: list[tuple]) -> None:
         lru = self.seen[replica]
         for k in keys:

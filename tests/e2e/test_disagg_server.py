@@ -4,8 +4,8 @@ backend) against one plain instance, through the official `openai` client. Greed
 logprobs and top-logprob tokens equal the plain instance's (completions and chat, streaming
 and not, n > 1, a seeded sampled request, prompts past the 512-token window); the bytes the
 transfer counters report equal full layers x prompt + sliding layers x last window, page
-rounded, and fewer on a decode-side prefix hit; /v1/responses over the pair; pages all back
-at idle; the router's 400s.
+rounded, and fewer on a decode-side prefix hit; /v1/responses over the pair; a prefix-cache
+reset through the router; pages all back at idle; the router's 400s.
 Faults (a killed or stalled instance, a client that leaves) are in test_disagg_faults.py;
 NIXL in test_disagg_nixl.py."""
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import httpx
 import openai
@@ -284,6 +285,32 @@ def test_responses_through_the_router(pd, single):
                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
         assert got.status_code == 400, (body, got.text)
         assert got.json()["error"]["param"] == param, (body, got.text)
+
+
+def test_reset_prefix_cache_through_the_router(pd):
+    """The router's /reset_prefix_cache reaches both instances: each empties its own cache (a
+    prompt the decode side had cached is not after), with their integrity checked."""
+    router, prefill, decode = pd
+    ids = [(i * 104729) % 7000 + 900 for i in range(300)]  # no other test's prefix
+
+    def cached() -> int:
+        r = completion(router, prompt=ids, max_tokens=2, temperature=0)
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0
+    for srv in (prefill, decode):
+        idle(srv)
+    deadline = time.monotonic() + 10  # a side may still be closing its sample (then a 400)
+    while (r := httpx.post(router.url + "/reset_prefix_cache", headers=router.headers(),
+                           timeout=60)).status_code == 400 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert r.status_code == 200 and r.json() == {"reset": True}, r.text
+    for srv in (prefill, decode):
+        mem = httpx.get(srv.base_url + "/memory", headers=srv.headers(), timeout=10).json()
+        assert mem["cache_pages"] == 0, mem
+    assert cached() == 0
+    assert httpx.post(router.url + "/flush_cache", timeout=30).status_code == 401  # the key
 
 
 def test_pages_all_back_at_idle(pd):

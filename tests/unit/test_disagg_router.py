@@ -181,6 +181,8 @@ class Fleet:
             return httpx.Response(status, json={"error": {
                 "message": "queue full" if status == 503 else "boom", "type": "server_error",
                 "param": None, "code": status}})
+        if request.url.path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"reset": True})
         if role == "prefill":
             return httpx.Response(200, json={"sent": True})
         if json.loads(request.content).get("stream"):
@@ -305,3 +307,27 @@ def test_a_503_answer_sends_the_request_to_another_pair(role):
         r = post(client, LONG + "again")
         assert r.status_code == 500 and "boom" in r.json()["error"]["message"], r.text
         assert all(i.in_flight == 0 for i in router.instances)
+
+
+def test_reset_prefix_cache_reaches_every_instance():
+    """/reset_prefix_cache and /flush_cache go to every instance: 200 when all reset (their
+    pools' affinity forgotten), else the OpenAI error body naming those that did not (their
+    400; 503 when one cannot be reached)."""
+    fleet = Fleet(1, 2)
+    router, client = fleet.router()
+    everyone = sorted(fleet.urls["prefill"] + fleet.urls["decode"])
+    with client:
+        assert post(client).status_code == 200
+        assert max(router.decode.affinity.match(keys_of(LONG))) > 0
+        fleet.calls.clear()
+        r = client.post("/reset_prefix_cache")
+        assert r.status_code == 200 and r.json() == {"reset": True}, r.text
+        assert sorted(u for u, path in fleet.calls if path == "/reset_prefix_cache") == everyone
+        assert max(router.decode.affinity.match(keys_of(LONG))) == 0
+        busy = fleet.urls["decode"][1]
+        fleet.refusing[busy] = 400
+        r = client.get("/flush_cache")
+        assert r.status_code == 400 and busy in r.json()["error"]["message"], r.text
+        fleet.dead.add(fleet.urls["prefill"][0])
+        r = client.post("/flush_cache")
+        assert r.status_code == 503 and fleet.urls["prefill"][0] in r.text, r.text
