@@ -34,6 +34,8 @@ class EngineConfig:
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.85
     kv_cache_dtype: str = "auto"  # auto | fp8_e4m3 (| fp8, vLLM's name, normalised to it)
+    # None | fp8: the layers' projections as float8 e4m3 weights (swaserve/ops/fp8_linear.py)
+    quantization: str | None = None
     kv_cache_scale: float | None = None  # fp8: one given scale for every layer; None: calibrate
     # cpu | torch | triton; None: triton on CUDA, else cpu (torch with --disable-fused-ops)
     attention_backend: str | None = None
@@ -381,6 +383,14 @@ FLAGS: dict[str, FlagInfo] = {
         "model",
         "context length in tokens (prompt + output)",
         default="the model's, capped to what the KV pool holds",
+    ),
+    "quantization": FlagInfo(
+        "model",
+        "fp8: the decoder layers' projections quantised at load to float8 e4m3 (a scale per "
+        "output channel), inputs per token, FP8 GEMMs; half the weight memory (CUDA sm89+ with "
+        "bfloat16, or CPU). Embeddings, head, attention and MoE experts keep --dtype",
+        ("fp8",),
+        default="none: the checkpoint's weights as --dtype",
     ),
     "chat_template": FlagInfo(
         "model", "Jinja chat template: a file, or the template text", default="the tokenizer's"

@@ -57,6 +57,12 @@ WARM_STEPS: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
 )
 
 
+def _act_dtype(attn: Attention) -> torch.dtype:
+    """The dtype of the layer's activations: o_proj's weights', or its output's where the
+    weights are quantised (ops/fp8_linear.Fp8Linear.out_dtype)."""
+    return getattr(attn.o_proj, "out_dtype", None) or attn.o_proj.weight.dtype
+
+
 def attention_kinds(model: nn.Module) -> list[Attention]:
     """The first attention layer of each kind that compiles to its own kernel variants."""
     kinds: dict[tuple, Attention] = {}
@@ -64,7 +70,7 @@ def attention_kinds(model: nn.Module) -> list[Attention]:
         if isinstance(module, Attention):
             s = module.spec
             key = (s.num_heads, s.num_kv_heads, s.head_dim, bool(s.window), bool(s.softcap),
-                   module.sinks is not None, module.o_proj.weight.dtype)
+                   module.sinks is not None, _act_dtype(module))
             kinds.setdefault(key, module)
     return list(kinds.values())
 
@@ -130,7 +136,7 @@ def _each_launch(
             s = attn.spec
             q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
             # q, k, v as the model has them: strided views of one projection output
-            qkv = torch.zeros(tokens, q_dim + 2 * kv_dim, dtype=attn.o_proj.weight.dtype,
+            qkv = torch.zeros(tokens, q_dim + 2 * kv_dim, dtype=_act_dtype(attn),
                               device=device)
             q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
             backend.forward(

@@ -128,6 +128,10 @@ def build_shard(
         from swaserve.distributed.ep_tp import attach_worker
 
         attach_worker(ep, model, tp, config, dflash.cfg if dflash is not None else None)
+    if config.quantization == "fp8":  # as rank 0's EngineCore._start
+        from swaserve.ops.fp8_linear import quantize_model_fp8
+
+        quantize_model_fp8(model, dtype)
     if device.type == "cuda" and not config.disable_fused_ops:
         from swaserve.ops import enable_fused_ops
 

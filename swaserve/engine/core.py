@@ -162,6 +162,10 @@ class EngineCore:
         self.max_model_len = check_model_len(
             config.max_model_len, int(hf.max_position_embeddings)
         )
+        if config.quantization == "fp8":  # before minutes of loading: the GPU and dtype fit
+            from swaserve.ops.fp8_linear import check_supported
+
+            check_supported(self.device, self.dtype)
         # DFlash: its checkpoint now (its layers join the pool's layout after the target's)
         self.dflash = dflash_setup(config, hf)
         self.dflash_config = self.dflash.cfg if self.dflash is not None else None
@@ -177,6 +181,10 @@ class EngineCore:
         )
         if ep is not None:
             ep.attach(self.model, tp)
+        if config.quantization == "fp8":  # the projections as FP8 (TP shards cut already)
+            from swaserve.ops.fp8_linear import quantize_model_fp8
+
+            quantize_model_fp8(self.model, self.dtype)
         greedy_head = None
         if self.device.type == "cuda" and not config.disable_fused_ops:
             from swaserve.ops import enable_fused_ops

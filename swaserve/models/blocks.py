@@ -248,8 +248,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated_proj is not None:
             return self.down_proj(self.gated_proj(x))
-        if self.gate_up_proj is not None:
+        if self.gate_up_proj is not None:  # CPU-packed or fp8 (ops/fp8_linear.py)
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            if self.fused:
+                from swaserve.ops.activation import act_and_mul
+
+                return self.down_proj(act_and_mul(gate, up, self.act_name))
             return self.down_proj(self.act(gate) * up)
         if self.fused:
             from swaserve.ops.activation import act_and_mul

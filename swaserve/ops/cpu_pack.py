@@ -64,7 +64,7 @@ def pack_cpu_weights(model: nn.Module) -> int:
         return 0
     packed = 0
     for module in list(model.modules()):
-        if isinstance(module, Attention) and not module.fused:
+        if isinstance(module, Attention) and not module.fused and module.qkv_proj is None:
             qkv = [module.q_proj, module.k_proj, module.v_proj]
             if _packable(*qkv, module.o_proj):
                 module.qkv_proj = _packed_linear(qkv)
@@ -72,7 +72,7 @@ def pack_cpu_weights(model: nn.Module) -> int:
                     delattr(module, name)
                 module.o_proj = _packed_linear([module.o_proj])
                 packed += 2
-        elif isinstance(module, GatedMLP) and not module.fused:
+        elif isinstance(module, GatedMLP) and not module.fused and module.gate_up_proj is None:
             gate_up = [module.gate_proj, module.up_proj]
             if _packable(*gate_up, module.down_proj):
                 if cpu_gated.native_available(module.act_name):  # one GEMM, a native pass

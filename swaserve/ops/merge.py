@@ -69,12 +69,13 @@ def merge_projections(model: nn.Module) -> int:
 
     merged = 0
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, Attention) and module.qkv_proj is None:  # not fp8 / CPU-packed
             qkv = [module.q_proj, module.k_proj, module.v_proj]
             if not is_merged(qkv, module.qkv_weight, module.qkv_bias):
                 module.qkv_weight, module.qkv_bias = merge_linears(qkv)
                 merged += 1
-        elif isinstance(module, GatedMLP):
+        elif (isinstance(module, GatedMLP) and module.gate_up_proj is None
+              and module.gated_proj is None):
             gate_up = [module.gate_proj, module.up_proj]
             if not is_merged(gate_up, module.gate_up_weight, module.gate_up_bias):
                 module.gate_up_weight, module.gate_up_bias = merge_linears(gate_up)
