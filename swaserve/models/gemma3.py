@@ -1,7 +1,8 @@
 """Gemma 3 text (and Gemma 2: the same layer without q/k norms, attention soft-capped; see
-Gemma2ForCausalLM): sliding/full `layer_types` with per-kind rope, q/k norms, sandwich norms,
-`query_pre_attn_scalar`, (1 + w) RMSNorm, tied embeddings scaled by sqrt(hidden), and
-soft-capping of the final logits when configured (attention soft-capping: see below)."""
+Gemma2ForCausalLM; VaultGemma: Gemma 2 without post-norms): sliding/full `layer_types` with
+per-kind rope, q/k norms, sandwich norms, `query_pre_attn_scalar`, (1 + w) RMSNorm, tied
+embeddings scaled by sqrt(hidden), and soft-capping of the final logits when configured
+(attention soft-capping: see below)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from swaserve.models.blocks import (
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer_id: int, window: int | None, layer_type: str, gemma2: bool
-    ) -> None:
+        self, config: Any, layer_id: int, window: int | None, layer_type: str, gemma2: bool,
+        post_norms: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__()
         hd = head_dim_of(config)
         eps = config.rms_norm_eps
@@ -54,9 +56,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
         h = config.hidden_size
         self.input_layernorm = RMSNorm(h, eps, unit_offset=True)
-        self.post_attention_layernorm = RMSNorm(h, eps, unit_offset=True)
+        # VaultGemma has no post-norms: each sublayer's output joins the stream as it is
+        post = (lambda: RMSNorm(h, eps, unit_offset=True)) if post_norms else (lambda: None)
+        self.post_attention_layernorm = post()
         self.pre_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
-        self.post_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
+        self.post_feedforward_layernorm = post()
 
     def forward(
         self,
@@ -67,8 +71,9 @@ class Gemma3DecoderLayer(nn.Module):
         fb: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x = input_layernorm(h) of the residual stream h; returns (next_norm(h'), h') of the
-        output stream h'. Each sublayer output is post-normed, added to the stream and the sum
-        pre-normed for the next sublayer: one kernel on the fused path."""
+        output stream h'. Each sublayer output is post-normed (where the layer has post-norms),
+        added to the stream and the sum pre-normed for the next sublayer: one kernel on the
+        fused path."""
         a = self.self_attn(positions, x, fb)
         x, h = add_rmsnorm(a, h, self.pre_feedforward_layernorm, self.post_attention_layernorm)
         return add_rmsnorm(self.mlp(x), h, next_norm, self.post_feedforward_layernorm)
@@ -76,6 +81,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3Model(nn.Module):
     gemma2 = False
+    post_norms = True  # post_attention_layernorm and post_feedforward_layernorm (not VaultGemma)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -83,7 +89,7 @@ class Gemma3Model(nn.Module):
         self.embed_scale = config.hidden_size**0.5
         types = layer_type_names(config)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, w, types[i], self.gemma2)
+            Gemma3DecoderLayer(config, i, w, types[i], self.gemma2, self.post_norms)
             for i, w in enumerate(layer_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
@@ -134,3 +140,16 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     full layers (its `layer_types`) and final-logit soft-capping (30) as in Gemma 3's config."""
 
     model_class = Gemma2Model
+
+
+class VaultGemmaModel(Gemma2Model):
+    post_norms = False
+
+
+class VaultGemmaForCausalLM(Gemma2ForCausalLM):
+    """VaultGemma: Gemma 2 without the post-attention and post-feedforward norms (its layer is
+    input_layernorm -> attention -> add, pre_feedforward_layernorm -> MLP -> add); everything
+    else as Gemma 2: soft-capped attention and final logits, `query_pre_attn_scalar`, the
+    embedding scaled by sqrt(hidden), (1 + w) norms, tied head, `layer_types`."""
+
+    model_class = VaultGemmaModel

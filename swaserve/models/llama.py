@@ -1,7 +1,8 @@
 """Llama family (SmolLM2, Llama 3): pre-norm decoder, rotary, SiLU-gated MLP.
 
-Qwen2, Qwen3, Mistral, Phi-3 and SmolLM3 reuse this file's layer with small switches
-(qwen2.py, qwen3.py, mistral.py, phi3.py; SmolLM3's NoPE layers are read here).
+Qwen2, Qwen3, Mistral, Phi-3, SmolLM3 and Granite reuse this file's layer with small switches
+(qwen2.py, qwen3.py, mistral.py, phi3.py, granite.py; SmolLM3's NoPE layers are read here);
+CWM is this class as it is (registry.py).
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class LlamaModel(nn.Module):
             for i, w in enumerate(layer_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The embedding output times this (Granite's `embedding_multiplier`, granite.py) on every
+        # path; not folded into the table, which may be the tied head.
+        self.embed_scale = 1.0
         # Steps of at most this many tokens take the decode GEMV path (`forward_gemv`); set by
         # `swaserve.ops.enable_fused_ops`, 0 (off) on the eager path.
         self.gemv_rows = 0
@@ -128,6 +132,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(fb.input_ids)
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale  # a Python float, as transformers multiplies
         if self.takes_gemv(h.shape[0]):
             return self._forward_gemv(h, fb)
         x = self.layers[0].input_layernorm(h)

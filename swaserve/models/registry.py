@@ -26,6 +26,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo2ForCausalLM": ("swaserve.models.olmo", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("swaserve.models.olmo", "Olmo3ForCausalLM"),
     "Exaone4ForCausalLM": ("swaserve.models.olmo", "Exaone4ForCausalLM"),
+    # CWM (Meta's Code World Model): the Llama layer without biases, sliding and full
+    # `layer_types`, llama3 rope; nothing of its own to map
+    "CwmForCausalLM": ("swaserve.models.llama", "LlamaForCausalLM"),
+    # Granite 3.x: Llama with muP multipliers; GraniteSWA adds sliding layers and sinks
+    "GraniteForCausalLM": ("swaserve.models.granite", "GraniteForCausalLM"),
+    "GraniteSWAForCausalLM": ("swaserve.models.granite", "GraniteSWAForCausalLM"),
+    # VaultGemma: Gemma 2 without post-norms
+    "VaultGemmaForCausalLM": ("swaserve.models.gemma3", "VaultGemmaForCausalLM"),
 }
 # Text-only configs saved without `architectures` still name their model_type.
 _MODEL_TYPES = {
@@ -44,6 +52,10 @@ _MODEL_TYPES = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "cwm": "CwmForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
+    "vaultgemma": "VaultGemmaForCausalLM",
 }
 
 

@@ -217,18 +217,20 @@ def greedy_head_for(model: torch.nn.Module) -> GreedyHead | None:
     """The screened head of a model whose float32 head `cpu_pack` packed (gatherable), or None:
     no AVX512-BF16, a dense or non-gatherable head, logits soft-capped after the head (Gemma's
     `final_softcap`: the screen bounds raw logits) or scaled by other than a positive power of
-    two (Cohere's `logit_scale`), or SWASERVE_GREEDY_SCREEN=0 (A/B runs)."""
+    two (Cohere's `logit_scale` factor, Granite's `logits_scaling` divisor), or
+    SWASERVE_GREEDY_SCREEN=0 (A/B runs)."""
     from swaserve.models.blocks import head_module
 
     if os.environ.get("SWASERVE_GREEDY_SCREEN") == "0" or not screen_available():
         return None
     if getattr(model, "final_softcap", None):
         return None
-    # Cohere's `logit_scale` multiplies the logits: only a positive power of two keeps the raw
-    # argmax exactly (another factor can round two logits to a tie, a negative one reverses)
-    scale = float(getattr(model, "logit_scale", 1.0))
-    if scale <= 0 or math.frexp(scale)[0] != 0.5:
-        return None
+    # Cohere's `logit_scale` multiplies the logits, Granite's `logits_scaling` divides them: only
+    # a positive power of two keeps the raw argmax exactly (another factor can round two logits
+    # to a tie, a negative one reverses; a power of two only shifts the exponent)
+    for factor in (getattr(model, "logit_scale", 1.0), getattr(model, "logits_scaling", 1.0)):
+        if float(factor) <= 0 or math.frexp(float(factor))[0] != 0.5:
+            return None
     packed = getattr(head_module(model), "packed", None)
     if not isinstance(packed, PackedWeight) or not packed.gatherable:
         return None
