@@ -60,6 +60,14 @@ def tiny(tmp_path_factory):
             layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
                          "full_attention"],
         ),
+        # muP multipliers: residual folded into o/down, embedding and logit scales, and the
+        # attention scale, on the GEMV path too
+        "granite": transformers.GraniteConfig(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+            num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=2048,
+            embedding_multiplier=3.0, residual_multiplier=0.3, attention_multiplier=0.2,
+            logits_scaling=4.0, tie_word_embeddings=False,
+        ),
         # post-norm layers: whole-projection q/k norms (OLMo 3), per-head and NoPE (EXAONE 4)
         "olmo3": transformers.Olmo3Config(
             vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
@@ -80,7 +88,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2", "phi3", "cohere2", "olmo3",
-                                  "exaone4"])
+                                  "exaone4", "granite"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_decode_equals_eager(tiny, name, dtype):
     folder = tiny[name][0]
@@ -97,7 +105,7 @@ def test_graph_decode_equals_eager(tiny, name, dtype):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen2", "gemma2", "phi3", "smollm3",
-                                  "cohere2", "olmo3", "exaone4"])
+                                  "cohere2", "olmo3", "exaone4", "granite"])
 def test_engine_logits_equal_transformers_on_gpu(tiny, name):
     folder, ref = tiny[name]
     e = Engine(model=str(folder), dtype="float32", kv_cache_gb=0.05, page_size=16,
