@@ -1,7 +1,7 @@
 """FP8 weights (`--quantization fp8`, vLLM's flag): the decoder layers' projections quantised
 at load to float8 e4m3 with one scale per output channel, their inputs to e4m3 per token at
-run time, and the product through `torch._scaled_mm` (FP8 tensor cores on sm89+; oneDNN on the
-CPU, where it serves the tests):
+run time, and the product through `torch._scaled_mm` (FP8 tensor cores on sm89+; on the CPU,
+where it serves the tests, a float32 product of the codes):
 
     s_w[n] = max_k |W[n, k]| / 448          W8[n, k] = e4m3(W[n, k] / s_w[n])   (at load)
     s_x[m] = max_k |x[m, k]| / 448          x8[m, k] = e4m3(x[m, k] / s_x[m])   (each call)
@@ -69,7 +69,10 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` in torch ops (the reference the kernel is tested against)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_SCALE) / FP8_MAX
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_SCALE)
+    # divided by a 0-dim tensor, not a Python number: CUDA torch multiplies by the reciprocal
+    # of a host scalar (one rounding more), the kernel and the CPU divide correctly rounded
+    scale = amax / amax.new_tensor(FP8_MAX)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
@@ -126,9 +129,16 @@ class Fp8Linear(nn.Module):
         if x2.shape[0] == 0:  # an idle rank's empty step
             return x.new_empty(*lead, self.out_features)
         xq, xs = quantize_rows(x2)
-        y = torch._scaled_mm(
-            xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=self.out_dtype
-        )
+        if x2.is_cuda:
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
+                                 out_dtype=self.out_dtype)  # fmt: skip
+        else:
+            # CPU: torch 2.11's `_scaled_mm` takes per-tensor scales only. The e4m3 codes as
+            # float32 (exact), their products exact (4 + 4 significant bits), summed in float32,
+            # then scaled: the same product, the weight widened per call (the CPU serves tests)
+            y = (torch.mm(xq.float(), self.weight.float().t()) * xs * self.weight_scale).to(
+                self.out_dtype
+            )
         rank0 = self.tp is None or self.tp.rank == 0  # a replicated bias is added once
         if self.bias is not None and rank0:
             y = y + self.bias
