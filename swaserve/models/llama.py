@@ -79,14 +79,30 @@ class LlamaDecoderLayer(nn.Module):
         """The decode GEMV path (`forward_gemv`) can run this layer: a dense MLP, fused, merged
         projections on one device (tensor parallelism's row-parallel o/down add their
         all-reduce, where a residual add inside the GEMV would count the residual once per
-        rank)."""
+        rank), in the model's dtype or all fp8 (`--quantization fp8`: e4m3 codes and their
+        scales, read as weights-only fp8)."""
         attn, mlp = self.self_attn, self.mlp
-        return (
-            isinstance(mlp, GatedMLP)  # not the MoE layers gpt-oss and Qwen3-MoE swap in
-            and attn.fused and mlp.fused and attn.qkv_weight is not None
-            and mlp.gate_up_weight is not None
+        if not (isinstance(mlp, GatedMLP) and attn.fused and mlp.fused):
+            return False  # MoE layers (gpt-oss, Qwen3-MoE) or the eager blocks
+        dense = (
+            attn.qkv_weight is not None and mlp.gate_up_weight is not None
             and type(attn.o_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear
         )  # fmt: skip
+        return dense or all(_fp8_on_one_device(m) for m in self._gemv_linears())
+
+    def _gemv_linears(self) -> list:
+        a, m = self.self_attn, self.mlp
+        return [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
+
+    def _gemv_operands(self) -> list[tuple]:
+        """(weight, bias, per-row scale or None) of q|k|v, o, gate|up and down, as `gemv` takes
+        them: the merged tensors in the model's dtype, or the Fp8Linears' codes and scales."""
+        a, m = self.self_attn, self.mlp
+        if a.qkv_weight is not None:
+            return [(a.qkv_weight, a.qkv_bias, None), (a.o_proj.weight, a.o_proj.bias, None),
+                    (m.gate_up_weight, m.gate_up_bias, None),
+                    (m.down_proj.weight, m.down_proj.bias, None)]  # fmt: skip
+        return [(f.weight, f.bias, f.weight_scale) for f in self._gemv_linears()]
 
     def forward_gemv(
         self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch
@@ -99,18 +115,25 @@ class LlamaDecoderLayer(nn.Module):
 
         attn, mlp = self.self_attn, self.mlp
         rows = h.shape[0]
+        (w, b, s), (wo, bo, so), (wgu, bgu, sgu), (wd, bd, sd) = self._gemv_operands()
         # the q/k/v GEMV also rotates q/k and stores K/V where the model allows (RopeStore)
-        w = attn.qkv_weight
         qkv_cfg = row_config(rows, "qkv") or default_config(rows, w.shape[0], w.shape[1], norm=True)
         store = attn.gemv_rope_store(positions, fb, qkv_cfg.block_n)
-        qkv = gemv(h, w, attn.qkv_bias, norm=self.input_layernorm, config=qkv_cfg,
-                   rope_store=store)  # fmt: skip
+        qkv = gemv(h, w, b, norm=self.input_layernorm, config=qkv_cfg, rope_store=store,
+                   weight_scale=s)  # fmt: skip
         a = attn.attend(positions, qkv, fb, kv_stored=store is not None)
-        h = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=h, config=row_config(rows, "o"))
-        gu = gemv(h, mlp.gate_up_weight, mlp.gate_up_bias, norm=self.post_attention_layernorm,
-                  config=row_config(rows, "gate_up"))  # fmt: skip
-        return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, act=mlp.act_name,
-                    config=row_config(rows, "down"))  # fmt: skip
+        h = gemv(a, wo, bo, residual=h, config=row_config(rows, "o"), weight_scale=so)
+        gu = gemv(h, wgu, bgu, norm=self.post_attention_layernorm,
+                  config=row_config(rows, "gate_up"), weight_scale=sgu)  # fmt: skip
+        return gemv(gu, wd, bd, residual=h, act=mlp.act_name, config=row_config(rows, "down"),
+                    weight_scale=sd)  # fmt: skip
+
+
+def _fp8_on_one_device(module: nn.Module | None) -> bool:
+    """An Fp8Linear whose output is whole on this device (not a row-parallel partial sum)."""
+    from swaserve.ops.fp8_linear import Fp8Linear
+
+    return isinstance(module, Fp8Linear) and module.tp is None
 
 
 class LlamaModel(nn.Module):

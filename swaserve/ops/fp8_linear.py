@@ -15,9 +15,12 @@ bf16, and the GEMMs run at FP8 rate.
 What stays in the model's dtype: embeddings and the head (as vLLM), norms, the attention and
 its KV (`--kv-cache-dtype fp8` is separate), MoE experts (not quantised yet), and a projection
 whose shape the FP8 GEMM cannot take (output or input features not a multiple of 16).
-Quantised layers leave the decode GEMV path (`LlamaDecoderLayer.gemv_ready`: its kernel reads
-bf16 weights), so small decode batches take `_scaled_mm` too. The weights are quantised after
-the whole model loaded in its dtype: the bf16 copy must fit once (vLLM quantises per layer).
+Steps small enough for the decode GEMV (`LlamaDecoderLayer.forward_gemv`: at most 2 tokens on
+wide models, 8 on narrow ones) read the codes and scales there with their inputs unquantised
+(weights-only fp8, ops/gemv.py `weight_scale`): half the bytes of bf16 and the GEMV's fused
+norms, activation and residual adds. So such steps differ from larger ones by the inputs'
+quantisation (more exact, not the same numbers). The weights are quantised after the whole
+model loaded in its dtype: the bf16 copy must fit once (vLLM quantises per layer).
 
 Tensor parallelism: the planner has cut the projections before they are quantised here; a
 row-parallel one (`RowParallelLinear`) keeps its group, adds the bias on rank 0 alone and

@@ -154,12 +154,13 @@ def row_config(rows: int, projection: str) -> GemvConfig | None:
 
 @triton.jit
 def _gemv_kernel(
-    X, W, B, R, G, Y,
+    X, W, B, R, G, Y, WS,
     M, N, stride_xm, stride_wn, stride_rm, stride_ym, eps, g_offset,
     POS, INV_FREQ, SLOTS, K_CACHE, V_CACHE, rot_scale, k_scale, v_scale,  # ROPE only
     stride_cp, stride_co, stride_ch, stride_dp, stride_do, stride_dh,
     K: tl.constexpr,  # a constexpr: the loop is a pipelined `tl.range` (one variant per K)
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+    HAS_WSCALE: tl.constexpr,  # e4m3 weights with a scale per output row (WS, fp8_linear.py)
     ACT: tl.constexpr,  # -1, or x = act(X[:, :K]) * X[:, K:] (activation.ACT_IDS)
     USE_DOT: tl.constexpr,  # tensor-core dots on x padded to BLOCK_M >= 16 rows (see module)
     INTERPRET: tl.constexpr,  # TRITON_INTERPRET=1: dots in float32 (bf16 tiles are raw there)
@@ -214,6 +215,8 @@ def _gemv_kernel(
         if USE_DOT:
             if INTERPRET or W.dtype.element_ty == tl.float32:
                 acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            elif W.dtype.element_ty == tl.float8e4nv:  # e4m3 codes are exact in bf16
+                acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
             else:  # x (normalised or gated) rounded to the weights' dtype, as the GEMM's input
                 acc += tl.dot(x.to(W.dtype.element_ty), tl.trans(w))
         else:
@@ -224,6 +227,8 @@ def _gemv_kernel(
         y = acc
     else:
         y = tl.sum(acc, 2)
+    if HAS_WSCALE:  # W = codes * WS[n]: the row's scale, like the norm's, rides behind the sum
+        y = y * tl.load(WS + rn_load)[None, :]
     if HAS_NORM:
         y = y * tl.rsqrt(tl.sum(ss, 1) / K + eps)[:, None]
     if HAS_BIAS:
@@ -295,6 +300,7 @@ def gemv(
     act: str | None = None,
     config: GemvConfig | None = None,
     rope_store: RopeStore | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[norm](x) @ weight^T [+ bias] [+ residual] for x of [m, k] (m <= MAX_ROWS, unit
     stride along k) and a contiguous weight of [n, k]; returns a new contiguous [m, n] tensor
@@ -302,7 +308,9 @@ def gemv(
     With `act` (a `blocks.ACTIVATIONS` name) x is a merged gate|up output of [m, 2k] and the
     product's input is act(gate) * up, rounded as `act_and_mul` rounds it. With `rope_store`
     (the q/k/v GEMV, `rope_store_fits` for its tile) q and k come out rotated and k and v are
-    also written to the cache."""
+    also written to the cache. With `weight_scale` (float32, one per output row: an
+    `Fp8Linear`'s) the weight holds float8 e4m3 codes and W = codes * weight_scale[n]: the
+    product reads half the bytes, its input x stays in its own dtype (weights-only fp8)."""
     m, k = x.shape
     if act is not None:
         k //= 2
@@ -314,12 +322,15 @@ def gemv(
         or x.stride(1) != 1
         or not weight.is_contiguous()
         or bad_act
+        or (weight.dtype == torch.float8_e4m3fn) != (weight_scale is not None)
     ):
         raise ValueError(
             f"gemv takes x [<= {MAX_ROWS}, K] ({MAX_DOT_ROWS} rows with an explicit config; "
             f"2 K with `act`, which takes no norm) with unit "
             f"stride and a contiguous [N, K] weight; got x {tuple(x.shape)} strides "
-            f"{x.stride()}, weight {tuple(weight.shape)}, act {act}, norm {norm is not None}"
+            f"{x.stride()}, weight {tuple(weight.shape)} {weight.dtype} (e4m3 weights, and "
+            f"only they, take a weight_scale: {weight_scale is not None}), act {act}, "
+            f"norm {norm is not None}"
         )
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -345,12 +356,14 @@ def gemv(
         rope = {}
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else x, residual if residual is not None else x,
-        g, y, m, n, x.stride(0), weight.stride(0),
+        g, y, weight_scale if weight_scale is not None else x, m, n, x.stride(0),
+        weight.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0),
         norm.eps if norm is not None else 0.0,
         1.0 if norm is not None and norm.unit_offset else 0.0,
         *caches,
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_NORM=norm is not None,
+        HAS_WSCALE=weight_scale is not None,
         ACT=-1 if act is None else ACT_IDS[act], USE_DOT=cfg.use_dot,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", NUM_STAGES=cfg.num_stages,
         BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),

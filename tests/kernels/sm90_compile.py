@@ -145,8 +145,9 @@ def compile_reduce(case: tuple) -> None:
 
 
 # The decode GEMV (swaserve/ops/gemv.py), default tiles: (name, dtype, rows, N, K, norm, bias,
-# residual[, pdl[, rope]]); rope: the q/k/v GEMV finishing the attention prologue (RopeStore)
-# into a "model" or "fp8" cache, Llama-8B's heads (32 q, 8 kv, D 128)
+# residual[, pdl[, rope[, e4m3 weights]]]); rope: the q/k/v GEMV finishing the attention prologue
+# (RopeStore) into a "model" or "fp8" cache, Llama-8B's heads (32 q, 8 kv, D 128); e4m3 weights:
+# `--quantization fp8`'s codes with a scale per row (`weight_scale`)
 GEMV_CASES = [
     ("gemv bf16 norm", torch.bfloat16, 1, 6144, 4096, True, False, False),
     ("gemv bf16 norm wide", torch.bfloat16, 2, 28672, 4096, True, False, False),
@@ -170,6 +171,16 @@ GEMV_CASES = [
      False, "fp8"),
     ("gemv dot bf16 norm rope store 8 rows", torch.bfloat16, 8, 6144, 4096, True, False, False,
      False, "model"),
+    ("gemv e4m3 weights norm rope store pdl", torch.bfloat16, 1, 6144, 4096, True, False, False,
+     True, "model", True),
+    ("gemv e4m3 weights silu residual 2 rows", torch.bfloat16, 2, 4096, 14336, "silu", False,
+     True, False, None, True),
+    ("gemv e4m3 weights head", torch.bfloat16, 1, 128256, 4096, False, False, False, False, None,
+     True),
+    ("gemv dot e4m3 weights norm 8 rows", torch.bfloat16, 8, 6144, 4096, True, False, False,
+     False, None, True),
+    ("gemv dot e4m3 weights residual 8 rows", torch.bfloat16, 8, 4096, 4096, False, False, True,
+     False, None, True),
 ]
 
 
@@ -184,6 +195,7 @@ def compile_gemv(case: tuple) -> None:
     _, dtype, m, n, k, norm, bias, res = case[:8]
     pdl = len(case) > 8 and case[8]
     rope = case[9] if len(case) > 9 else None
+    wfp8 = len(case) > 10 and case[10]
     act = norm if isinstance(norm, str) else None  # an activation name in the norm column
     norm = norm is True
     if m > g.MAX_ROWS:  # the engine's tile past MAX_ROWS rows for this projection
@@ -196,7 +208,7 @@ def compile_gemv(case: tuple) -> None:
         K=k, HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, NUM_STAGES=cfg.num_stages,
         ACT=-1 if act is None else ACT_IDS[act], USE_DOT=cfg.use_dot, INTERPRET=False,
         BLOCK_M=max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=pdl,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=pdl, HAS_WSCALE=wfp8,
     )
     if rope:
         assert g.rope_store_fits(128, 64, cfg.block_n), cfg
@@ -204,7 +216,9 @@ def compile_gemv(case: tuple) -> None:
                       FP8=rope == "fp8")  # fmt: skip
     cache_t = "fp8e4nv" if rope == "fp8" else t
     ptrs = {"POS": "i64", "INV_FREQ": "fp32", "SLOTS": "i64", "K_CACHE": cache_t,
-            "V_CACHE": cache_t}  # fmt: skip
+            "V_CACHE": cache_t, "WS": "fp32"}  # fmt: skip
+    if wfp8:
+        ptrs["W"] = "fp8e4nv"
     fn = g._gemv_kernel
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
