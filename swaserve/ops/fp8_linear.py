@@ -175,6 +175,9 @@ def check_supported(device: torch.device, dtype: torch.dtype) -> None:
     """ValueError naming the problem where FP8 GEMMs cannot run: a CUDA device before sm89
     (Ada), or a CUDA model dtype other than bfloat16 (the row-scaled FP8 GEMM writes bf16)."""
     if device.type != "cuda":
+        log.warning("--quantization fp8 on %s: the products widen the e4m3 codes to float32 on "
+                    "every call (a path for tests), several times slower than the model's "
+                    "dtype; FP8 pays on CUDA sm89+", device.type)  # fmt: skip
         return
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):
