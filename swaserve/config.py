@@ -388,9 +388,11 @@ FLAGS: dict[str, FlagInfo] = {
         "model",
         "fp8: the decoder layers' projections quantised at load to float8 e4m3 (a scale per "
         "output channel), inputs per token, FP8 GEMMs; half the weight memory (CUDA sm89+ with "
-        "bfloat16, or CPU). Embeddings, head, attention and MoE experts keep --dtype",
-        ("fp8",),
-        default="none: the checkpoint's weights as --dtype",
+        "bfloat16, or CPU). Embeddings, head, attention and MoE experts keep --dtype. An FP8 "
+        "checkpoint (quant_method fp8 or compressed-tensors) sets it by itself; naming another "
+        "method than the checkpoint's is an error",
+        ("fp8", "compressed-tensors"),
+        default="the checkpoint's (config.json quantization_config), else none: --dtype",
     ),
     "chat_template": FlagInfo(
         "model", "Jinja chat template: a file, or the template text", default="the tokenizer's"

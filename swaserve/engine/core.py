@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -156,6 +157,16 @@ class EngineCore:
         self.device = config.torch_device()
         self.config = config = config.with_device_defaults(self.device, server)
         self.dtype = config.torch_dtype()
+        # An FP8 checkpoint sets --quantization fp8 itself (swaserve/weights/fp8_checkpoint.py);
+        # an unread quant_method or a conflicting flag fails here, before anything loads.
+        from swaserve.weights.fp8_checkpoint import resolve_quantization
+
+        quantization, self.fp8_checkpoint = resolve_quantization(
+            config.quantization, folder, config.load_format == "dummy",
+            config.tensor_parallel_size,
+        )  # fmt: skip
+        if quantization != config.quantization:
+            self.config = config = dataclasses.replace(config, quantization=quantization)
         self.hf_config = load_hf_config(folder)
         hf = self.hf_config
         # Before the weights load: a bad --max-model-len fails in a second, not after minutes.
@@ -181,7 +192,8 @@ class EngineCore:
         )
         if ep is not None:
             ep.attach(self.model, tp)
-        if config.quantization == "fp8":  # the projections as FP8 (TP shards cut already)
+        # the projections as FP8 (TP shards cut already); an FP8 checkpoint's are already
+        if config.quantization == "fp8" and not self.fp8_checkpoint:
             from swaserve.ops.fp8_linear import quantize_model_fp8
 
             quantize_model_fp8(self.model, self.dtype)

@@ -104,7 +104,9 @@ def _quant_rows_kernel(X, Q, S, stride_x, stride_q, K: tl.constexpr, BLOCK: tl.c
 class Fp8Linear(nn.Module):
     """y = x W^T [+ b] with W stored as e4m3 and a float32 scale per output channel (see the
     module doc). `weight` is the [out, in] e4m3 tensor, `weight_scale` [1, out] (the layout
-    `_scaled_mm`'s scale_b takes); `out_dtype` is the model's activation dtype."""
+    `_scaled_mm`'s scale_b takes); `out_dtype` is the model's activation dtype. Built from
+    a weight to quantise, or from e4m3 codes and their row scales [out, 1] (`weight_scale`:
+    an FP8 checkpoint's, swaserve/weights/fp8_checkpoint.py), kept as they are."""
 
     def __init__(
         self,
@@ -113,9 +115,14 @@ class Fp8Linear(nn.Module):
         out_dtype: torch.dtype,
         tp: object | None = None,
         reduce: bool = False,
+        weight_scale: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        q, scale = quantize_rows(weight)
+        if weight_scale is None:
+            q, scale = quantize_rows(weight)
+        else:
+            assert weight.dtype == FP8 and weight_scale.numel() == weight.shape[0]
+            q, scale = weight.detach(), weight_scale.detach().float()
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale.reshape(1, -1).contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -162,13 +169,18 @@ def _quantizable(linears: list[nn.Module]) -> bool:
 
 
 def _fp8_of(linears: list[nn.Module], dtype: torch.dtype) -> Fp8Linear:
-    """One Fp8Linear computing `linears`' outputs concatenated (rows in order)."""
+    """One Fp8Linear computing `linears`' outputs concatenated (rows in order); linears that
+    hold an FP8 checkpoint's codes and row scales (`weight_scale`) keep them."""
     weight = torch.cat([m.weight.detach() for m in linears])
+    scale = None
+    if weight.dtype == FP8:  # concatenated rows keep their own scales: exact
+        scale = torch.cat([m.weight_scale.detach().reshape(-1) for m in linears])
     biases = [m.bias for m in linears]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     first = linears[0]
     tp = getattr(first, "tp", None) if type(first).__name__ == "RowParallelLinear" else None
-    return Fp8Linear(weight, bias, dtype, tp=tp, reduce=getattr(first, "reduce", False))
+    return Fp8Linear(weight, bias, dtype, tp=tp, reduce=getattr(first, "reduce", False),
+                     weight_scale=scale)  # fmt: skip
 
 
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:
@@ -189,18 +201,27 @@ def check_supported(device: torch.device, dtype: torch.dtype) -> None:
         raise ValueError(f"--quantization fp8 on CUDA runs with --dtype bfloat16, not {dtype}")
 
 
+def _prequantised(linears: list[nn.Module]) -> bool:
+    return all(m.weight.dtype == FP8 for m in linears)
+
+
 @torch.no_grad()
-def quantize_model_fp8(model: nn.Module, dtype: torch.dtype) -> int:
+def quantize_model_fp8(model: nn.Module, dtype: torch.dtype, prequantised_only: bool = False
+                       ) -> int:  # fmt: skip
     """Replace the projections of every `Attention` (q|k|v merged into `qkv_proj`, o_proj) and
     every dense `GatedMLP` (gate|up merged into `gate_up_proj`, down_proj) by Fp8Linear;
     returns how many were replaced. Call once, after the weights loaded and before the fused
-    ops or CPU packing (which leave quantised modules as they are)."""
+    ops or CPU packing (which leave quantised modules as they are). Blocks loaded from an FP8
+    checkpoint (e4m3 weights and `weight_scale`) keep their codes; `prequantised_only`
+    replaces those blocks alone (the loader's call: the others stay in `dtype`)."""
     from swaserve.models.blocks import Attention, GatedMLP
 
     done = skipped = 0
     for module in list(model.modules()):
         if isinstance(module, Attention) and module.qkv_proj is None:
             qkv = [module.q_proj, module.k_proj, module.v_proj]
+            if prequantised_only and not _prequantised([*qkv, module.o_proj]):
+                continue
             if _quantizable([*qkv, module.o_proj]):
                 module.qkv_proj = _fp8_of(qkv, dtype)
                 for name in ("q_proj", "k_proj", "v_proj"):
@@ -211,6 +232,8 @@ def quantize_model_fp8(model: nn.Module, dtype: torch.dtype) -> int:
                 skipped += 1
         elif isinstance(module, GatedMLP) and module.gate_up_proj is None:
             gate_up = [module.gate_proj, module.up_proj]
+            if prequantised_only and not _prequantised([*gate_up, module.down_proj]):
+                continue
             if _quantizable([*gate_up, module.down_proj]):
                 module.gate_up_proj = _fp8_of(gate_up, dtype)
                 del module.gate_proj, module.up_proj

@@ -36,6 +36,7 @@ from swaserve.models.registry import model_class
 if TYPE_CHECKING:
     from swaserve.distributed.parallel_state import TPGroup
     from swaserve.distributed.sharding import Shard
+    from swaserve.weights.fp8_checkpoint import Fp8Format
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Checkpoint tensors that carry nothing the model needs.
@@ -80,7 +81,17 @@ def build_model(
 
         shards.update(shard_experts(model, *ep))
     # Cast on meta first: the device never holds a float32 copy of the weights.
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    fp8, fp8_targets = None, set()
+    if not dummy:  # an FP8 checkpoint: its projections take e4m3 codes (weights/fp8_checkpoint)
+        from swaserve.weights import fp8_checkpoint as f8
+
+        fp8 = f8.checkpoint_fp8_format(folder)
+        if fp8 is not None and tp is not None and tp.size > 1:
+            raise f8.tensor_parallel_refusal(folder)
+        if fp8 is not None:
+            fp8_targets = f8.prepare_fp8_projections(model, _safetensor_files(folder))
+    model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     for name, shard in shards.items():
         if shard.kept() < params[name].numel():  # vocabulary padding: zero rows
@@ -88,10 +99,14 @@ def build_model(
     if dummy:
         _init_dummy(model, seed, shards)
     else:
-        load_safetensors(model, folder, shards)
+        load_safetensors(model, folder, shards, fp8, fp8_targets)
     for m in model.modules():
         if isinstance(m, Rotary):
             m.restore_buffers(device)
+    if fp8_targets:  # the file's codes and row scales as Fp8Linear modules, not requantised
+        from swaserve.ops.fp8_linear import quantize_model_fp8
+
+        quantize_model_fp8(model, dtype, prequantised_only=True)
     return model.eval().requires_grad_(False)
 
 
@@ -120,13 +135,24 @@ def _checkpoint_tensors(folder: Path, tied: bool) -> Iterator[tuple[str, torch.T
 
 
 def load_safetensors(
-    model: nn.Module, folder: Path, shards: dict[str, Shard] | None = None
+    model: nn.Module,
+    folder: Path,
+    shards: dict[str, Shard] | None = None,
+    fp8: Fp8Format | None = None,
+    fp8_targets: set[str] | frozenset[str] = frozenset(),
 ) -> None:
     """Copy the checkpoint in `folder` into the model; `shards`: the parameters that hold one
-    rank's part of the checkpoint tensor (tensor parallelism)."""
+    rank's part of the checkpoint tensor (tensor parallelism); `fp8`: the checkpoint is FP8,
+    its e4m3 weights joined to their scales before the model's `map_checkpoint` sees them
+    (`convert_fp8_tensors`: codes and row scales for the modules in `fp8_targets`, prepared by
+    `prepare_fp8_projections`; float32 weights for the others)."""
     shards = shards or {}
     params = dict(model.named_parameters())
     tensors = _checkpoint_tensors(folder, getattr(model, "tie_word_embeddings", False))
+    if fp8 is not None:
+        from swaserve.weights.fp8_checkpoint import convert_fp8_tensors
+
+        tensors = convert_fp8_tensors(tensors, fp8, set(fp8_targets))
     mapper = getattr(model, "map_checkpoint", None)
     targets = mapper(tensors) if mapper else ((k, None, t) for k, t in tensors)
     covered: dict[str, int] = {}  # elements written per parameter
@@ -135,6 +161,13 @@ def load_safetensors(
         if key not in params:
             unexpected.append(key)
             continue
+        if (t.dtype == torch.float8_e4m3fn) != (params[key].dtype == torch.float8_e4m3fn):
+            # e4m3 codes are only copied as they are, into e4m3 parameters (a cast either
+            # way would drop their scale or round the weights silently)
+            raise ValueError(
+                f"tensor {key}: checkpoint dtype {t.dtype} into a {params[key].dtype} parameter "
+                "(e4m3 codes without their scale, or changed by the model's checkpoint mapping)"
+            )
         if key in shards:
             try:
                 n = shards[key].copy_into(params[key].data, index, t)
