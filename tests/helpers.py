@@ -48,6 +48,48 @@ def assert_same_outputs(a, b, tol: float = 1e-4) -> None:
             assert max(abs(p - q) for (_, p), (_, q) in zip(lx.top, ly.top)) < tol
 
 
+def assert_logits_match_hf(engine, ref, vocab: int = 128, tol: float = 1e-3) -> None:
+    """A 40-token prompt's per-position logits through `engine` equal the transformers model
+    `ref`'s within `tol`; afterwards the pool checks out and no page is held by a request."""
+    ids = random_prompts(vocab, [40])[0]
+    got = engine_prompt_logits(engine, ids)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    err = (got - want).abs().max().item()
+    assert err < tol, f"max |logit diff| {err}"
+    engine.core.memory.check_integrity()
+    idle = engine.memory_stats()
+    assert idle["pages_free"] + idle["cache_pages"] == idle["pages_total"]
+    assert idle["pages_held_by_requests"] == 0
+
+
+def assert_tp2_equals_tp1(engine_kwargs: dict, vocab: int = 128, max_tokens: int = 8,
+                          check=None) -> None:  # fmt: skip
+    """TP = 2 (gloo, 2 ranks) against one eager rank on the same checkpoint: greedy tokens and
+    logprobs of three prompts, and every position's logits of a 40-token prompt; `check(two)`
+    runs on the TP engine before it shuts down."""
+    from swaserve import Engine, SamplingParams
+
+    one = Engine(disable_fused_ops=True, **engine_kwargs)
+    two = Engine(tensor_parallel_size=2, **engine_kwargs)
+    try:
+        prompts = random_prompts(vocab, [37, 9, 23], seed=5)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                logprobs=3)  # fmt: skip
+        assert_same_outputs(
+            one.generate(prompt_token_ids=prompts, sampling_params=params),
+            two.generate(prompt_token_ids=prompts, sampling_params=params),
+        )
+        ids = random_prompts(vocab, [40], seed=3)[0]
+        want, got = engine_prompt_logits(one, ids), engine_prompt_logits(two, ids)
+        assert (got - want).abs().max().item() < 1e-4
+        two.core.memory.check_integrity()
+        if check is not None:
+            check(two)
+    finally:
+        two.core.shutdown()
+
+
 def spawned_children(pid: int) -> list[int]:
     """Processes that `pid` started with multiprocessing's spawn (not its resource tracker)."""
     from pathlib import Path

@@ -21,7 +21,7 @@ import transformers
 from swaserve import Engine, SamplingParams
 from swaserve.ops import greedy_head
 from tests.helpers import (
-    assert_same_outputs,
+    assert_tp2_equals_tp1,
     engine_prompt_logits,
     random_prompts,
     save_random_hf_model,
@@ -167,19 +167,5 @@ def test_granite_tensor_parallel_equals_tp1(hf_folders):
     """TP = 2 (gloo, 2 ranks), o_proj/down_proj folded before they are cut: greedy tokens,
     logprobs and every prompt position's logits equal TP = 1."""
     folder, _ = hf_folders["granite"]
-    small = dict(page_size=4, max_num_batched_tokens=16, **ENGINE)
-    one = Engine(model=str(folder), disable_fused_ops=True, **small)
-    two = Engine(model=str(folder), tensor_parallel_size=2, **small)
-    try:
-        prompts = random_prompts(128, [37, 9, 23])
-        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-        assert_same_outputs(
-            one.generate(prompt_token_ids=prompts, sampling_params=params),
-            two.generate(prompt_token_ids=prompts, sampling_params=params),
-        )
-        ids = random_prompts(128, [40], seed=3)[0]
-        want, got = engine_prompt_logits(one, ids), engine_prompt_logits(two, ids)
-        assert (got - want).abs().max().item() < 1e-4
-        two.core.memory.check_integrity()
-    finally:
-        two.core.shutdown()
+    assert_tp2_equals_tp1(dict(model=str(folder), page_size=4, max_num_batched_tokens=16,
+                               **ENGINE))  # fmt: skip

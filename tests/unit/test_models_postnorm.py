@@ -19,7 +19,8 @@ import transformers
 
 from swaserve import Engine, SamplingParams
 from tests.helpers import (
-    assert_same_outputs,
+    assert_logits_match_hf,
+    assert_tp2_equals_tp1,
     engine_prompt_logits,
     random_prompts,
     save_random_hf_model,
@@ -87,16 +88,7 @@ def test_postnorm_logits_match_hf(hf_folders, name, page_size, chunk):
         model=str(folder), device="cpu", dtype="float32", page_size=page_size,
         max_num_batched_tokens=chunk, kv_cache_gb=0.01,
     )  # fmt: skip
-    ids = random_prompts(128, [40])[0]
-    got = engine_prompt_logits(engine, ids)
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0]
-    err = (got - want).abs().max().item()
-    assert err < 1e-3, f"{name}: max |logit diff| {err}"
-    engine.core.memory.check_integrity()
-    idle = engine.memory_stats()
-    assert idle["pages_free"] + idle["cache_pages"] == idle["pages_total"]
-    assert idle["pages_held_by_requests"] == 0
+    assert_logits_match_hf(engine, ref)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -149,18 +141,4 @@ def tp_folders(tmp_path_factory) -> dict:
 def test_postnorm_tp2_equals_tp1(tp_folders, name):
     kw = dict(model=str(tp_folders[name]), device="cpu", dtype="float32", page_size=4,
               max_num_batched_tokens=16, kv_cache_gb=0.01)  # fmt: skip
-    one = Engine(disable_fused_ops=True, **kw)
-    two = Engine(tensor_parallel_size=2, **kw)
-    try:
-        prompts = random_prompts(128, [37, 9, 23], seed=5)
-        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-        assert_same_outputs(
-            one.generate(prompt_token_ids=prompts, sampling_params=params),
-            two.generate(prompt_token_ids=prompts, sampling_params=params),
-        )
-        ids = random_prompts(128, [40], seed=3)[0]
-        want, got = engine_prompt_logits(one, ids), engine_prompt_logits(two, ids)
-        assert (got - want).abs().max().item() < 1e-4
-        two.core.memory.check_integrity()
-    finally:
-        two.core.shutdown()
+    assert_tp2_equals_tp1(kw)
