@@ -22,6 +22,9 @@ Per rank r of T (Megatron's split, one all-reduce after attention and one after 
 Norms, rotary and the experts' router are replicated, except q/k norms over whole projections
 (OLMo 2/3: `ProjectionRMSNorm`), cut with the heads and summing their squares over the ranks.
 Biases of a row-parallel layer are added by rank 0 alone, so the all-reduce sums them once.
+An FP8 checkpoint's row scales, which exist only after this plan, follow their weights' shards
+(swaserve/weights/fp8_checkpoint.py `scale_shards`: a column-parallel weight's rows, a row-
+parallel weight's whole vector).
 Under expert parallelism (`experts=False`) the experts are not cut here: each rank holds whole
 experts of its own (expert_shards.py), and their output is summed over the ranks by the MoE
 exchange (expert_parallel.py).

@@ -116,6 +116,7 @@ def build_shard(
     from swaserve.memory.manager import page_bytes
     from swaserve.models.blocks import head_dim_of, layer_windows
     from swaserve.speculative.dflash_setup import build_proposer, dflash_setup
+    from swaserve.weights.fp8_checkpoint import resolve_quantization
     from swaserve.weights.loader import build_model, load_hf_config
 
     device, dtype = tp.device, config.torch_dtype()
@@ -128,7 +129,13 @@ def build_shard(
         from swaserve.distributed.ep_tp import attach_worker
 
         attach_worker(ep, model, tp, config, dflash.cfg if dflash is not None else None)
-    if config.quantization == "fp8":  # as rank 0's EngineCore._start
+    # As rank 0's EngineCore._start: online quantisation, unless the weights came from an FP8
+    # checkpoint (build_model made its projections Fp8Linear from the file's codes already; the
+    # blocks the file keeps in bf16 must stay so, as on rank 0). Asked with no flag: rank 0 has
+    # resolved `config.quantization` to "fp8" already, which a compressed-tensors checkpoint
+    # would call a conflict.
+    _, fp8_checkpoint = resolve_quantization(None, folder, config.load_format == "dummy")
+    if config.quantization == "fp8" and not fp8_checkpoint:
         from swaserve.ops.fp8_linear import quantize_model_fp8
 
         quantize_model_fp8(model, dtype)

@@ -162,9 +162,8 @@ class EngineCore:
         from swaserve.weights.fp8_checkpoint import resolve_quantization
 
         quantization, self.fp8_checkpoint = resolve_quantization(
-            config.quantization, folder, config.load_format == "dummy",
-            config.tensor_parallel_size,
-        )  # fmt: skip
+            config.quantization, folder, config.load_format == "dummy"
+        )
         if quantization != config.quantization:
             self.config = config = dataclasses.replace(config, quantization=quantization)
         self.hf_config = load_hf_config(folder)

@@ -22,8 +22,9 @@ norms, activation and residual adds. So such steps differ from larger ones by th
 quantisation (more exact, not the same numbers). The weights are quantised after the whole
 model loaded in its dtype: the bf16 copy must fit once (vLLM quantises per layer).
 
-Tensor parallelism: the planner has cut the projections before they are quantised here; a
-row-parallel one (`RowParallelLinear`) keeps its group, adds the bias on rank 0 alone and
+Tensor parallelism: the planner has cut the projections before they are quantised here (an
+FP8 checkpoint's codes and row scales are cut as they load: swaserve/weights/fp8_checkpoint.py);
+a row-parallel one (`RowParallelLinear`) keeps its group, adds the bias on rank 0 alone and
 all-reduces unless told not to (`reduce`, as Cohere2's parallel block does).
 """
 

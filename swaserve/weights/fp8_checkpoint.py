@@ -30,8 +30,26 @@ e4m3 in the file (and of shapes the FP8 GEMM takes) becomes Fp8Linear modules ho
 file's codes; any other e4m3 tensor (MoE experts, a partly quantised block, a fused projection
 a model splits, as Phi-3's qkv_proj) is dequantised to float32 and loads in the model's dtype;
 blocks stored in bf16 stay in the model's dtype (not quantised online: the checkpoint's choice).
-Tensor parallelism is refused for now: the planner shards parameters by name and would need
-shards for the scale rows too (simple for per-row scales, not yet written).
+
+Tensor parallelism: the planner (swaserve/distributed/layers.py) has cut the meta model before
+`prepare_fp8_projections` gives its projections e4m3 weights and row scales, and `scale_shards`
+adds the scales' shards beside the weights'. Every checkpoint tensor is converted to rows
+(`convert_fp8_tensors`, on the whole tensor) before the loader cuts it (`Shard.copy_into`), so
+each rank holds a part of the single-process model's codes and scales, whatever the rank count:
+
+    column-parallel (q, k, v, gate, up: output rows split, KV heads replicated when fewer
+                    than ranks)   codes: the rank's rows          scales: the same rows
+    row-parallel    (o, down: input features split)
+                                  codes: the rank's columns of    scales: the whole vector
+                                  every row                       (a row's scale covers all
+                                                                  its columns)
+
+A block-scaled row is requantised once, whole, and then cut. A row-parallel Fp8Linear
+quantises its rank's input slice per token and all-reduces the partial products (bias on rank
+0), as `--quantization fp8` does: the weights are the single process's, the inputs' scales
+per slice. A block whose projections are e4m3 in the file but whose per-rank shapes the FP8
+GEMM cannot take (features not multiples of 16 after the cut) loads dequantised, with a
+warning.
 """
 
 from __future__ import annotations
@@ -46,6 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from swaserve.distributed.sharding import Shard
 from swaserve.ops.fp8_linear import FP8, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -132,22 +151,11 @@ def _compressed_tensors_format(folder: Path, qc: dict[str, Any]) -> Fp8Format:
     return Fp8Format("compressed-tensors", block)  # type: ignore[arg-type]
 
 
-def tensor_parallel_refusal(folder: Path) -> ValueError:
-    return ValueError(
-        f"tensor parallelism with a pre-quantised FP8 checkpoint ({folder}) is not supported "
-        "yet: the planner shards parameters by name and has no shards for the scale tensors; "
-        "use --tensor-parallel-size 1, or a bf16 checkpoint with --quantization fp8"
-    )
-
-
-def resolve_quantization(
-    flag: str | None, folder: Path, dummy: bool, tp_size: int = 1
-) -> tuple[str | None, bool]:
+def resolve_quantization(flag: str | None, folder: Path, dummy: bool) -> tuple[str | None, bool]:
     """(the engine's `quantization`, whether the weights load pre-quantised) for `--quantization
     flag` and the checkpoint in `folder`, as vLLM infers it: an FP8 checkpoint sets fp8 by
     itself; a flag naming another method than the checkpoint's is a ValueError naming both.
-    Dummy weights of an FP8 checkpoint are drawn dense and quantised online. Pre-quantised
-    weights with `tp_size` > 1: ValueError (the module doc)."""
+    Dummy weights of an FP8 checkpoint are drawn dense and quantised online."""
     fmt = checkpoint_fp8_format(folder)
     if fmt is None:
         if flag not in (None, "fp8"):
@@ -162,8 +170,6 @@ def resolve_quantization(
             f"quant_method {fmt.method!r} (config.json quantization_config): leave "
             f"--quantization out or pass {fmt.method}"
         )
-    if not dummy and tp_size > 1:
-        raise tensor_parallel_refusal(folder)
     return "fp8", not dummy
 
 
@@ -181,16 +187,20 @@ def _file_dtypes(files: list[Path]) -> dict[str, str]:
     return out
 
 
-def prepare_fp8_projections(model: nn.Module, files: list[Path]) -> set[str]:
-    """On the meta model, cast to its dtype: the projections whose whole block (q, k, v, o of
-    an Attention; gate, up, down of a dense GatedMLP) is e4m3 in `files` get an e4m3 `weight`
-    and a float32 `weight_scale` [out, 1] for the loader to fill; returns their module names
-    (the targets of `to_rows`)."""
+def prepare_fp8_projections(
+    model: nn.Module, files: list[Path], shards: dict[str, Shard] | None = None
+) -> set[str]:
+    """On the meta model, cast to its dtype (and cut by the TP planner, whose `shards` this
+    extends: `scale_shards`): the projections whose whole block (q, k, v, o of an Attention;
+    gate, up, down of a dense GatedMLP) is e4m3 in `files` get an e4m3 `weight` and a float32
+    `weight_scale` [out, 1] (this rank's rows) for the loader to fill; returns their module
+    names (the targets of `to_rows`)."""
     from swaserve.models.blocks import Attention, GatedMLP
     from swaserve.ops.fp8_linear import _quantizable
 
     dtypes = _file_dtypes(files)
     targets: set[str] = set()
+    unaligned = 0
     for name, module in model.named_modules():
         if isinstance(module, Attention) and module.qkv_proj is None:
             projs = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -200,16 +210,44 @@ def prepare_fp8_projections(model: nn.Module, files: list[Path]) -> set[str]:
             continue
         linears = [getattr(module, p) for p in projs]
         names = [f"{name}.{p}" for p in projs]
-        if _quantizable(linears) and all(dtypes.get(f"{n}.weight") == "F8_E4M3" for n in names):
-            for lin, n in zip(linears, names, strict=True):
-                out, k = lin.weight.shape
-                lin.weight = nn.Parameter(torch.empty(out, k, dtype=FP8, device="meta"),
-                                          requires_grad=False)  # fmt: skip
-                lin.weight_scale = nn.Parameter(
-                    torch.empty(out, 1, dtype=torch.float32, device="meta"), requires_grad=False
-                )
-                targets.add(n)
+        if not all(dtypes.get(f"{n}.weight") == "F8_E4M3" for n in names):
+            continue
+        if not _quantizable(linears):  # this rank's shapes (cut by the planner, if any)
+            unaligned += 1
+            continue
+        for lin, n in zip(linears, names, strict=True):
+            out, k = lin.weight.shape
+            lin.weight = nn.Parameter(torch.empty(out, k, dtype=FP8, device="meta"),
+                                      requires_grad=False)  # fmt: skip
+            lin.weight_scale = nn.Parameter(
+                torch.empty(out, 1, dtype=torch.float32, device="meta"), requires_grad=False
+            )
+            targets.add(n)
+    if shards:
+        shards.update(scale_shards(shards, targets))
+    if unaligned:
+        log.warning("fp8 checkpoint: %d attention/MLP blocks load dequantised (a projection's "
+                    "features, per rank, are not multiples of 16)", unaligned)  # fmt: skip
     return targets
+
+
+def scale_shards(shards: dict[str, Shard], targets: set[str]) -> dict[str, Shard]:
+    """The shards of the target projections' row scales [out, 1], from their weights' (the
+    module doc): a column-parallel weight (cut along its rows, dim 0) has its scales cut along
+    the same rows; a row-parallel one (cut along its columns, dim 1) keeps the whole vector on
+    every rank (no shard: the loader copies it whole). ValueError for any other cut."""
+    out: dict[str, Shard] = {}
+    for m in sorted(targets):
+        w = shards.get(f"{m}.weight")
+        if w is None or w.dim == 1:
+            continue
+        if w.dim != 0 or len(w.full_shape) != 2:
+            raise ValueError(
+                f"tensor parallelism with an FP8 checkpoint: {m}.weight is cut along dim "
+                f"{w.dim} of {w.full_shape}; only its rows or its columns have row scales"
+            )
+        out[f"{m}.weight_scale"] = Shard((w.full_shape[0], 1), 0, w.ranges)
+    return out
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None

@@ -14,7 +14,8 @@ full parameter's coordinates, is cut to the rank's part as it is copied (`Shard.
 no rank holds more than its shard, one checkpoint tensor aside. Dummy weights draw the full
 tensor of every sharded parameter with the seed a single process uses, then keep the rank's part,
 so every TP size runs the same model. Expert parallelism (`ep`) cuts the experts' dim 0 the
-same way (`swaserve.distributed.expert_shards`).
+same way (`swaserve.distributed.expert_shards`). An FP8 checkpoint's weights become codes and
+row scales whole, before the cut (`swaserve.weights.fp8_checkpoint`: the same rows at any TP size).
 """
 
 from __future__ import annotations
@@ -87,10 +88,8 @@ def build_model(
         from swaserve.weights import fp8_checkpoint as f8
 
         fp8 = f8.checkpoint_fp8_format(folder)
-        if fp8 is not None and tp is not None and tp.size > 1:
-            raise f8.tensor_parallel_refusal(folder)
-        if fp8 is not None:
-            fp8_targets = f8.prepare_fp8_projections(model, _safetensor_files(folder))
+        if fp8 is not None:  # on the cut model; its scales' shards join the weights'
+            fp8_targets = f8.prepare_fp8_projections(model, _safetensor_files(folder), shards)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     for name, shard in shards.items():
