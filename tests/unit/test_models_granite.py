@@ -163,9 +163,11 @@ def test_granite_mapping():
     assert vault.model.layers[0].post_attention_layernorm is None
 
 
-def test_granite_tensor_parallel_equals_tp1(hf_folders):
-    """TP = 2 (gloo, 2 ranks), o_proj/down_proj folded before they are cut: greedy tokens,
+@pytest.mark.parametrize("name", ["granite", "granite_swa"])
+def test_granite_tensor_parallel_equals_tp1(hf_folders, name):
+    """TP = 2 (gloo, 2 ranks), o_proj/down_proj folded before they are cut (GraniteSWA: its
+    sinks split with the heads, its NoPE and per-layer rope bases per rank): greedy tokens,
     logprobs and every prompt position's logits equal TP = 1."""
-    folder, _ = hf_folders["granite"]
+    folder, _ = hf_folders[name]
     assert_tp2_equals_tp1(dict(model=str(folder), page_size=4, max_num_batched_tokens=16,
                                **ENGINE))  # fmt: skip
