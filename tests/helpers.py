@@ -90,6 +90,40 @@ def assert_tp2_equals_tp1(engine_kwargs: dict, vocab: int = 128, max_tokens: int
         two.core.shutdown()
 
 
+class ListPipes:
+    """A core loop's pipes (server/core_process.py CorePipes) as lists: `inp.queue` holds the
+    encoded messages the loop will read, `out.msgs` the decoded ones it sent."""
+
+    class _Out:
+        def __init__(self) -> None:
+            self.msgs: list[list] = []
+
+        def send(self, data: bytes) -> None:
+            from swaserve.server.ipc import decode
+
+            self.msgs.append(decode(data))
+
+    class _In:
+        def __init__(self) -> None:
+            self.queue: list[bytes] = []
+
+        def poll(self, timeout_ms: int) -> bool:
+            return bool(self.queue)
+
+        def recv(self, flags: int = 0) -> bytes:
+            import zmq
+
+            if not self.queue:
+                raise zmq.Again()
+            return self.queue.pop(0)
+
+    def __init__(self) -> None:
+        self.ctx, self.inp, self.out = None, self._In(), self._Out()
+
+    def link_lost(self) -> bool:
+        return False
+
+
 def spawned_children(pid: int) -> list[int]:
     """Processes that `pid` started with multiprocessing's spawn (not its resource tracker)."""
     from pathlib import Path

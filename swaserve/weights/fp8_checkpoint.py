@@ -108,9 +108,6 @@ def checkpoint_fp8_format(folder: Path) -> Fp8Format | None:
         return None
     if method == "fp8":
         block = qc.get("weight_block_size")
-        if qc.get("activation_scheme", "dynamic") == "static":
-            log.info("fp8 checkpoint: its static activation scales are not used; inputs are "
-                     "quantised per token")  # fmt: skip
         return Fp8Format("fp8", None if block is None else (int(block[0]), int(block[1])))
     if method == "compressed-tensors":
         return _compressed_tensors_format(folder, qc)
@@ -144,10 +141,6 @@ def _compressed_tensors_format(folder: Path, qc: dict[str, Any]) -> Fp8Format:
         elif strategy not in ("tensor", "channel"):
             raise refuse(f"config group {name!r} has weight strategy {strategy!r} "
                          "(tensor, channel and block are read)")  # fmt: skip
-        act = group.get("input_activations")
-        if act and not act.get("dynamic", False):
-            log.info("compressed-tensors checkpoint: its static input scales are not used; "
-                     "inputs are quantised per token")  # fmt: skip
     return Fp8Format("compressed-tensors", block)  # type: ignore[arg-type]
 
 
@@ -175,15 +168,13 @@ def resolve_quantization(flag: str | None, folder: Path, dummy: bool) -> tuple[s
 
 def _file_dtypes(files: list[Path]) -> dict[str, str]:
     """Checkpoint tensor name -> safetensors dtype ("F8_E4M3", "BF16", ...), headers only."""
+    from safetensors import safe_open
+
     out: dict[str, str] = {}
     for path in files:
-        with path.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        for name, info in header.items():
-            if name != "__metadata__":
-                key = name.removeprefix("language_model.")
-                out[key] = info["dtype"]
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                out[name.removeprefix("language_model.")] = f.get_slice(name).get_dtype()
     return out
 
 
@@ -280,8 +271,7 @@ def to_rows(
     out = codes.shape[0]
     if scale.numel() == 1 or tuple(scale.shape) == (out, 1):
         return codes, scale.float().reshape(-1, 1).expand(out, 1).contiguous()
-    q, s = quantize_rows(_dequantize(codes, scale, block))
-    return q, s
+    return quantize_rows(_dequantize(codes, scale, block))
 
 
 def convert_fp8_tensors(
@@ -295,6 +285,7 @@ def convert_fp8_tensors(
     codes: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     scale_names: dict[str, str] = {}  # module -> its scale tensor's name (for the error)
+    static_scales = 0
 
     def joined(m: str) -> Iterator[tuple[str, torch.Tensor]]:
         c, s = codes.pop(m), scales.pop(m)
@@ -312,12 +303,16 @@ def convert_fp8_tensors(
         elif leaf in _SCALES:
             scales[m], scale_names[m] = t, name
         elif leaf in _ACTIVATION_SCALES:
+            static_scales += 1
             continue
         else:
             yield name, t
             continue
         if m in codes and m in scales:
             yield from joined(m)
+    if static_scales:
+        log.info("fp8 checkpoint: its %d static input scales are not used; inputs are "
+                 "quantised per token", static_scales)  # fmt: skip
     if codes or scales:
         lone = sorted(f"{m}.weight" for m in codes) + sorted(scale_names[m] for m in scales)
         raise ValueError(f"FP8 weights and scales unpaired in the checkpoint: {lone[:8]}")

@@ -15,38 +15,8 @@ pytest.importorskip("zmq")
 
 from swaserve.sampling.params import SamplingParams  # noqa: E402
 from swaserve.server.core_process import CoreLoop  # noqa: E402
-from swaserve.server.ipc import ABORT, REJECT, decode, encode  # noqa: E402
-
-
-class _Out:
-    def __init__(self) -> None:
-        self.msgs: list[list] = []
-
-    def send(self, data: bytes) -> None:
-        self.msgs.append(decode(data))
-
-
-class _In:
-    def __init__(self) -> None:
-        self.queue: list[bytes] = []
-
-    def poll(self, timeout_ms: int) -> bool:
-        return bool(self.queue)
-
-    def recv(self, flags: int = 0) -> bytes:
-        import zmq
-
-        if not self.queue:
-            raise zmq.Again()
-        return self.queue.pop(0)
-
-
-class _Pipes:
-    def __init__(self) -> None:
-        self.ctx, self.inp, self.out = None, _In(), _Out()
-
-    def link_lost(self) -> bool:
-        return False
+from swaserve.server.ipc import ABORT, REJECT, encode  # noqa: E402
+from tests.helpers import ListPipes  # noqa: E402
 
 
 def _child(cid: str, engine, regex: str) -> list:
@@ -73,7 +43,7 @@ def loop(smollm_engine, monkeypatch):
     g = core.grammars
     monkeypatch.setattr(core, "grammars", Grammars(g._load_tokenizer, g.vocab_size,
                                                    g.stop_token_ids))  # fmt: skip
-    loop = CoreLoop(core, _Pipes())
+    loop = CoreLoop(core, ListPipes())
     yield loop
     for futures, _ in loop.compiling:
         for f in futures:

@@ -28,35 +28,7 @@ from swaserve.server.ipc import (  # noqa: E402
     decode,
     encode,
 )
-
-
-class _Out:
-    def __init__(self) -> None:
-        self.msgs: list[list] = []
-
-    def send(self, data: bytes) -> None:
-        self.msgs.append(decode(data))
-
-
-class _In:
-    def __init__(self) -> None:
-        self.queue: list[bytes] = []
-
-    def poll(self, timeout_ms: int) -> bool:
-        return bool(self.queue)
-
-    def recv(self, flags: int = 0) -> bytes:
-        if not self.queue:
-            raise zmq.Again()
-        return self.queue.pop(0)
-
-
-class _Pipes:
-    def __init__(self) -> None:
-        self.ctx, self.inp, self.out = None, _In(), _Out()
-
-    def link_lost(self) -> bool:
-        return False
+from tests.helpers import ListPipes  # noqa: E402
 
 
 def _reset(loop: CoreLoop, seq: int, before: list[list] = ()) -> tuple[bool, dict]:
@@ -70,7 +42,7 @@ def _reset(loop: CoreLoop, seq: int, before: list[list] = ()) -> tuple[bool, dic
 
 def test_core_loop_resets_only_without_requests(smollm_engine):
     core = smollm_engine.core
-    loop = CoreLoop(core, _Pipes())
+    loop = CoreLoop(core, ListPipes())
     ids = smollm_engine.tokenizer.encode("The old mill stands by the river. " * 8)
     short = SamplingParams(max_tokens=2)
     smollm_engine.generate(prompt_token_ids=[ids], sampling_params=short)
