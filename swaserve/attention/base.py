@@ -91,4 +91,6 @@ class AttentionBackend(ABC):
         (written into `out` when given: the static buffer of piecewise CUDA graphs). With a
         `prologue` (only where `fuses_qk_prologue`), q and k are not normed and rotated yet:
         the backend does that first, in place, at `fb.positions`. `kv_stored` (only where the
-        backend has `kv_destination`): q and k are rotated and k/v already in the pool."""
+        backend has `kv_destination`): q and k are rotated and k/v already in the pool; every
+        backend also takes `kv_stored` with k = v = None: a layer that reads another layer's
+        K/V (`GroupLayout.kv_sources`), q rotated."""

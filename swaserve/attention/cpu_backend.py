@@ -63,7 +63,9 @@ class CpuBackend(TorchBackend):
         meta: TorchMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
         rows, first, page_rows = kv.row_addressing(spec.layer_id)
-        if kv.dtype == torch.float32 and k.dtype == torch.float32:
+        if kv_stored:  # a layer reading another's K/V (KV sharing): nothing to store
+            pass
+        elif kv.dtype == torch.float32 and k.dtype == torch.float32:
             kc, vc = k.contiguous(), v.contiguous()
             self.lib.swa_store_f32(
                 rows.data_ptr(), kc.data_ptr(), vc.data_ptr(), gm.slot_mapping.data_ptr(),

@@ -208,14 +208,17 @@ class TorchBackend(AttentionBackend):
         prologue: QKPrologue | None = None,
         kv_stored: bool = False,
     ) -> torch.Tensor:
-        assert not kv_stored, "the torch backend has no kv_destination: it stores K/V itself"
-        if prologue is not None:  # not asked for here (fuses_qk_prologue False): eager blocks
+        # kv_stored (only with k = v = None here): a layer reading another's K/V, already in
+        # the pool (KV sharing, GroupLayout.kv_sources); q is rotated
+        # a prologue is not asked for here (fuses_qk_prologue False): eager blocks
+        if prologue is not None and not kv_stored:
             if prologue.q_norm is not None:
                 q, k = prologue.q_norm(q), prologue.k_norm(k)
             q, k = prologue.rotary(fb.positions, q, k)
         meta: TorchMetadata = fb.metadata
         gm = meta.groups[self.layout.layer_to_group[spec.layer_id]]
-        fb.kv.store(spec.layer_id, k, v, gm.slot_mapping)
+        if not kv_stored:
+            fb.kv.store(spec.layer_id, k, v, gm.slot_mapping)
         if out is None:
             out = torch.empty_like(q)
         qsl = meta.query_start_loc
@@ -260,7 +263,9 @@ class TorchBackend(AttentionBackend):
             n = qsl[r + 1] - qsl[r]
             slots, mask = gm.visible(r, spec.window)  # the layer's window, not the group's
             keys, vals = fb.kv.read(spec.layer_id, slots)
-            if fp8 and n > 1:  # a prefill chunk's own keys (the last rows) at full precision
+            # a prefill chunk's own keys (the last rows) at full precision; a KV-sharing layer
+            # (k None) reads its source's from the pool
+            if fp8 and n > 1 and k is not None:
                 keys[-n:] = k[qsl[r] : qsl[r + 1]]
                 vals[-n:] = v[qsl[r] : qsl[r + 1]]
             out[qsl[r] : qsl[r + 1]] = attend_fast(

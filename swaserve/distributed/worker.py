@@ -111,7 +111,7 @@ def build_shard(
     from swaserve.distributed.layers import kv_heads_per_rank
     from swaserve.engine.core import agree_kv_scales, kv_budget_bytes
     from swaserve.engine.limits import check_model_len
-    from swaserve.memory.groups import build_layout
+    from swaserve.memory.groups import model_layout
     from swaserve.memory.kv_pool import KVPool
     from swaserve.memory.manager import page_bytes
     from swaserve.models.blocks import head_dim_of, layer_windows
@@ -143,8 +143,8 @@ def build_shard(
         from swaserve.ops import enable_fused_ops
 
         enable_fused_ops(model)
-    windows = layer_windows(hf) + (list(dflash.cfg.layer_windows) if dflash else [])
-    layout = build_layout(windows, all_full=config.disable_hybrid_kv_cache)
+    extra = list(dflash.cfg.layer_windows) if dflash else []
+    layout = model_layout(model, layer_windows(hf), config.disable_hybrid_kv_cache, extra)
     kv_heads, head_dim = kv_heads_per_rank(hf.num_key_value_heads, tp.size), head_dim_of(hf)
     kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else dtype
     per_page = page_bytes(layout, config.page_size, kv_heads, head_dim, kv_dtype.itemsize)

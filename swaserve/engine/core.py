@@ -33,7 +33,7 @@ from swaserve.engine.model_runner import ModelRunner
 from swaserve.engine.request import PLACEHOLDER, Request, RequestStatus
 from swaserve.engine.scheduler import ScheduledBatch, Scheduler
 from swaserve.engine.speculation import Speculation, Verified, record
-from swaserve.memory.groups import build_layout
+from swaserve.memory.groups import model_layout
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager, page_bytes
 from swaserve.memory.radix_cache import build_prefix_cache
@@ -225,10 +225,9 @@ class EngineCore:
             from swaserve.distributed.layers import kv_heads_per_rank
 
             kv_heads = kv_heads_per_rank(kv_heads, tp.size)
-        windows = layer_windows(hf)
-        if self.dflash_config is not None:
-            windows = windows + list(self.dflash_config.layer_windows)
-        self.layout = build_layout(windows, all_full=config.disable_hybrid_kv_cache)
+        extra = list(self.dflash_config.layer_windows) if self.dflash_config is not None else []
+        self.layout = model_layout(self.model, layer_windows(hf), config.disable_hybrid_kv_cache,
+                                   extra)  # fmt: skip
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         bytes_per_page = page_bytes(
             self.layout, config.page_size, kv_heads, head_dim, kv_dtype.itemsize
@@ -450,7 +449,9 @@ class EngineCore:
             log.warning("CUDA graphs need the triton attention backend; running eager")
             return
         hf = self.hf_config
-        shape = (hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf))
+        # the largest layer's (static buffers); each group's own K/V shape is read from the
+        # pool where it matters (cuda_graph.SplitRule)
+        shape = (hf.num_attention_heads, *self.kv.max_layer_shape())
         keep = self.runner.keep
         after = self.spec.dflash.store_context_in_graph if self.dflash_config else None
         graphs = DecodeGraphs(

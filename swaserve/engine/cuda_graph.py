@@ -74,19 +74,23 @@ class SplitRule:
     SMs split by the real context (splits of >= BALANCE_SPLIT_KEYS keys)."""
 
     def __init__(
-        self, num_kv_heads: int, q: int, block_q: int, num_sms: int, windows: list[int | None],
-        longest: int,
-    ) -> None:
-        self.hkv, self.q, self.block_q, self.num_sms = num_kv_heads, q, block_q, num_sms
+        self, num_kv_heads: int | list[int], q: int, block_q: int | list[int], num_sms: int,
+        windows: list[int | None], longest: int,
+    ) -> None:  # fmt: skip
+        """`num_kv_heads` and `block_q` per group where the groups' K/V shapes differ (Gemma 4)."""
+        n = len(windows)
+        self.hkvs = num_kv_heads if isinstance(num_kv_heads, list) else [num_kv_heads] * n
+        self.block_qs = block_q if isinstance(block_q, list) else [block_q] * n
+        self.hkv, self.q, self.num_sms = min(self.hkvs), q, num_sms
         self.windows, self.longest = windows, longest
 
     def __call__(self, n: int, kv_len: int) -> list[int]:
         if n * self.hkv < 2 * self.num_sms:
             kv_len = self.longest
         return [
-            choose_num_splits(n, self.hkv, self.q, kv_len if w is None else
-                              min(kv_len, w + self.q - 1), self.block_q, self.num_sms)
-            for w in self.windows
+            choose_num_splits(n, hkv, self.q, kv_len if w is None else
+                              min(kv_len, w + self.q - 1), bq, self.num_sms)
+            for w, hkv, bq in zip(self.windows, self.hkvs, self.block_qs, strict=True)
         ]  # fmt: skip
 
     def grid(self, batch_sizes: range) -> list[int]:
@@ -138,9 +142,14 @@ class DecodeGraphs:
         self.slots = [
             torch.full((rows,), -1, dtype=torch.int64, device=dev) for _ in range(ngroups)
         ]
-        h, hkv, d = spec_shape
-        self.want = SplitRule(hkv, q, attention_config(d, h // hkv, q).block_q, _num_sms(dev),
-                              [g.window for g in backend.layout.groups], max_model_len + q - 1)
+        h = spec_shape[0]
+        # each group's own K/V shape (they differ where GroupLayout.kv_shapes is set)
+        shapes = [tuple(kv.layer_cache(g.layers[0])[0].shape[2:]) for g in backend.layout.groups]
+        self.want = SplitRule(
+            [hkv for hkv, _ in shapes], q,
+            [attention_config(d, h // hkv, q).block_q for hkv, d in shapes], _num_sms(dev),
+            [g.window for g in backend.layout.groups], max_model_len + q - 1,
+        )  # fmt: skip
         # per bucket, per group: the grid's splits, the most any batch of the bucket may want
         self.splits: dict[int, list[int]] = {}
         smaller = 0

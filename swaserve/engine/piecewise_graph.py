@@ -60,6 +60,7 @@ class _Site:
     spec: AttentionSpec
     sinks: torch.Tensor | None
     prologue: QKPrologue | None  # q/k norms + rotary, run eagerly with the K/V store
+    kv_stored: bool = False  # a layer reading another layer's K/V (KV sharing): no k/v
 
 
 class _Splitter:
@@ -85,13 +86,16 @@ class _Splitter:
         prologue: QKPrologue | None = None,
         kv_stored: bool = False,
     ) -> torch.Tensor:
-        assert not kv_stored, "no kv_destination here: the backend between the pieces stores"
+        # kv_stored only from a layer that shares another's K/V (k = v = None): the GEMV's
+        # kv_destination path never runs under piecewise graphs
+        assert not kv_stored or k is None, "the backend between the pieces stores K/V"
         o = self.owner
         qs, ks, vs, out = o.views(q.shape[0], spec)
         qs.copy_(q)
-        ks.copy_(k)
-        vs.copy_(v)
-        self.sites.append(_Site(spec, sinks, prologue))
+        if not kv_stored:
+            ks.copy_(k)
+            vs.copy_(v)
+        self.sites.append(_Site(spec, sinks, prologue, kv_stored))
         if self.graphs is not None:
             self.graphs[-1].capture_end()
             g = torch.cuda.CUDAGraph()
@@ -195,7 +199,10 @@ class PiecewiseGraphs:
         for graph, site in zip(graphs, self.sites):
             graph.replay()
             q, k, v, out = self.views(t, site.spec)
-            backend.forward(q, k, v, site.spec, site.sinks, fb, out=out, prologue=site.prologue)
+            if site.kv_stored:
+                k = v = None
+            backend.forward(q, k, v, site.spec, site.sinks, fb, out=out, prologue=site.prologue,
+                            kv_stored=site.kv_stored)
         graphs[-1].replay()
         self.last_bucket = bucket
         return self.outputs[bucket][:t]

@@ -31,6 +31,16 @@ is cheap (its pages stay near the window). Examples (window 512 / 1024, context 
     Gemma 3 27B   52 swa + 10 full -> S=10: 6 swa (8 padded slots, ~6% at 8k) + 1 full group
     gpt-oss       12 swa + 12 full -> S=12: 1 + 1 groups
     all full or all swa (one kind) -> S=layers: one group
+
+Layers of different KV sizes (Gemma 4: sliding layers of [Hkv, 256], full ones of [Hkv', 512]).
+A layer's K row is `heads x head_dim` elements ("width"); the pool's rows are the greatest common
+divisor of the widths (one "unit"), and a layer of width u units takes u consecutive slots of a
+page (its K then its V, each `page_size x width`, one contiguous block). Kinds are then (window,
+width); the rule above runs over unit slots with S a multiple of every width, so a page's bytes
+are the same for every group. Equal widths give the layout above exactly.
+
+KV sharing (Gemma 4's last `num_kv_shared_layers` layers): a layer that reads another layer's
+K/V (`kv_sources[l] != l`) owns no slot; its group and slot are its source's.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 REFERENCE_CONTEXT = 8192
 GROUP_COST = Fraction(1, 100)
@@ -59,9 +70,14 @@ class AttentionGroup:
 @dataclass(frozen=True)
 class GroupLayout:
     groups: tuple[AttentionGroup, ...]
-    slots_per_page: int
+    slots_per_page: int  # unit slots of a page
     layer_to_group: tuple[int, ...]
-    layer_to_slot: tuple[int, ...]
+    layer_to_slot: tuple[int, ...]  # a layer's first unit slot (its source's, if it shares)
+    # per layer (heads, head_dim) of its K/V rows, where widths differ; None: every layer has
+    # the pool's row shape (the caller's)
+    kv_shapes: tuple[tuple[int, int], ...] | None = None
+    # per layer, the layer whose K/V it reads (itself unless it shares); None: no sharing
+    kv_sources: tuple[int, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -72,8 +88,31 @@ class GroupLayout:
         return len(self.groups)
 
     @property
+    def unit_width(self) -> int | None:
+        """Elements of a pool row (K of one token in one unit slot) when widths differ."""
+        if self.kv_shapes is None:
+            return None
+        return math.gcd(*(h * d for h, d in self.kv_shapes))
+
+    def units(self, layer: int) -> int:
+        """Unit slots layer `layer`'s K/V take in a page (1 unless widths differ)."""
+        if self.kv_shapes is None:
+            return 1
+        h, d = self.kv_shapes[layer]
+        return h * d // self.unit_width
+
+    def kv_source(self, layer: int) -> int:
+        return layer if self.kv_sources is None else self.kv_sources[layer]
+
+    def row_shape(self, kv_heads: int, head_dim: int) -> tuple[int, int]:
+        """The pool's row shape: the model's (kv_heads, head_dim), or one unit when widths
+        differ."""
+        return (kv_heads, head_dim) if self.kv_shapes is None else (1, self.unit_width)
+
+    @property
     def num_padded_slots(self) -> int:
-        return self.slots_per_page * len(self.groups) - self.num_layers
+        used = sum(self.units(layer) for g in self.groups for layer in g.layers)
+        return self.slots_per_page * len(self.groups) - used
 
 
 def _footprint(window: int | None) -> int:
@@ -81,13 +120,19 @@ def _footprint(window: int | None) -> int:
     return REFERENCE_CONTEXT if window is None else min(window, REFERENCE_CONTEXT)
 
 
-def choose_slots_per_page(kind_sizes: dict[int | None, int]) -> int:
-    """The slots per page of least cost (see the module docstring) for {window: num_layers}."""
-    needed = sum(n * _footprint(w) for w, n in kind_sizes.items())
+def choose_slots_per_page(
+    kind_sizes: dict[int | None, int] | dict[tuple[int | None, int], int],
+) -> int:
+    """The unit slots per page of least cost (see the module docstring) for {window: layers}
+    or {(window, units a layer): layers}; a multiple of every kind's units."""
+    kinds = {(k if isinstance(k, tuple) else (k, 1)): n for k, n in kind_sizes.items()}
+    step = math.lcm(*(u for _, u in kinds))
+    needed = sum(n * u * _footprint(w) for (w, u), n in kinds.items())
     best: tuple[Fraction, int, int] | None = None
-    for s in range(1, max(kind_sizes.values()) + 1):
-        groups = sum(math.ceil(n / s) for n in kind_sizes.values())
-        allocated = sum(math.ceil(n / s) * s * _footprint(w) for w, n in kind_sizes.items())
+    for s in range(step, max(n * u for (_, u), n in kinds.items()) + step, step):
+        per = {k: math.ceil(n / (s // k[1])) for k, n in kinds.items()}  # groups of each kind
+        groups = sum(per.values())
+        allocated = sum(per[k] * s * _footprint(k[0]) for k in kinds)
         key = (Fraction(allocated - needed, needed) + GROUP_COST * groups, groups, s)
         if best is None or key < best:
             best = key
@@ -95,35 +140,92 @@ def choose_slots_per_page(kind_sizes: dict[int | None, int]) -> int:
     return best[2]
 
 
-def build_layout(layer_windows: Sequence[int | None], all_full: bool = False) -> GroupLayout:
+def build_layout(
+    layer_windows: Sequence[int | None],
+    all_full: bool = False,
+    kv_shapes: Sequence[tuple[int, int]] | None = None,
+    kv_sources: Sequence[int] | None = None,
+) -> GroupLayout:
     """Partition layers into attention groups of equal slot count.
 
     `layer_windows[l]` is None for a full-attention layer, else its sliding window (>= 1).
-    Layers with the same window form one kind. `all_full=True` treats every layer as full (the
-    baseline of the memory benchmark). Groups are numbered by their first layer.
+    Layers with the same window (and K/V width) form one kind. `all_full=True` treats every
+    layer as full (the baseline of the memory benchmark). `kv_shapes[l]`: layer l's
+    (kv_heads, head_dim) where they differ between layers; `kv_sources[l]`: the earlier layer
+    whose K/V layer l reads (l itself when it has its own). Groups are numbered by their first
+    layer.
     """
     if not layer_windows:
         raise ValueError("build_layout needs at least one layer")
+    n = len(layer_windows)
     windows: list[int | None] = [None if all_full else w for w in layer_windows]
-    kinds: dict[int | None, list[int]] = {}
+    shapes = None
+    if kv_shapes is not None:
+        shapes = tuple((int(h), int(d)) for h, d in kv_shapes)
+        if len(shapes) != n:
+            raise ValueError(f"kv_shapes has {len(shapes)} entries for {n} layers")
+        if len(set(shapes)) == 1:
+            shapes = None  # one shape: the plain layout
+    sources = tuple(range(n)) if kv_sources is None else tuple(int(x) for x in kv_sources)
+    if len(sources) != n:
+        raise ValueError(f"kv_sources has {len(sources)} entries for {n} layers")
+    for layer, src in enumerate(sources):
+        if src != layer and not (0 <= src < layer and sources[src] == src):
+            raise ValueError(f"layer {layer}: its KV source {src} must be an earlier layer "
+                             "with its own K/V")
+        if src != layer and windows[src] != windows[layer]:
+            raise ValueError(f"layer {layer} reads layer {src}'s K/V but their windows differ")
+    gcd = math.gcd(*(h * d for h, d in shapes)) if shapes else 1
+
+    def units(layer: int) -> int:
+        return shapes[layer][0] * shapes[layer][1] // gcd if shapes else 1
+
+    kinds: dict[tuple[int | None, int], list[int]] = {}
     for layer, w in enumerate(windows):
         if w is not None and (not isinstance(w, int) or w < 1):
             raise ValueError(f"layer {layer}: window must be a positive int or None, got {w!r}")
-        kinds.setdefault(w, []).append(layer)
-    slots = choose_slots_per_page({w: len(ls) for w, ls in kinds.items()})
+        if sources[layer] == layer:
+            kinds.setdefault((w, units(layer)), []).append(layer)
+    slots = choose_slots_per_page({k: len(ls) for k, ls in kinds.items()})
 
-    chunks: list[tuple[int | None, tuple[int, ...]]] = []
-    for w, layers in kinds.items():
-        for i in range(0, len(layers), slots):
-            chunks.append((w, tuple(layers[i : i + slots])))
-    chunks.sort(key=lambda c: c[1][0])
+    chunks: list[tuple[int | None, int, tuple[int, ...]]] = []
+    for (w, u), layers in kinds.items():
+        per = slots // u
+        for i in range(0, len(layers), per):
+            chunks.append((w, u, tuple(layers[i : i + per])))
+    chunks.sort(key=lambda c: c[2][0])
 
     groups = []
-    layer_to_group = [0] * len(windows)
-    layer_to_slot = [0] * len(windows)
-    for index, (w, layers) in enumerate(chunks):
+    layer_to_group = [0] * n
+    layer_to_slot = [0] * n
+    for index, (w, u, layers) in enumerate(chunks):
         groups.append(AttentionGroup(index, "full" if w is None else "swa", w, layers))
-        for slot, layer in enumerate(layers):
+        for i, layer in enumerate(layers):
             layer_to_group[layer] = index
-            layer_to_slot[layer] = slot
-    return GroupLayout(tuple(groups), slots, tuple(layer_to_group), tuple(layer_to_slot))
+            layer_to_slot[layer] = i * u
+    for layer, src in enumerate(sources):
+        layer_to_group[layer], layer_to_slot[layer] = layer_to_group[src], layer_to_slot[src]
+    return GroupLayout(
+        tuple(groups), slots, tuple(layer_to_group), tuple(layer_to_slot), shapes,
+        None if kv_sources is None or sources == tuple(range(n)) else sources,
+    )
+
+
+def model_layout(
+    model: Any, layer_windows: Sequence[int | None], all_full: bool = False,
+    extra_windows: Sequence[int | None] = (),
+) -> GroupLayout:  # fmt: skip
+    """The layout of a built model's layers (then `extra_windows`: a DFlash drafter's, which
+    share the target's K/V shape): per-layer K/V shapes and KV sharing where the model declares
+    them (`model.kv_layout() -> (shapes, sources)`, Gemma 4; shapes per rank under TP)."""
+    declared = getattr(model, "kv_layout", None)
+    shapes, sources = declared() if declared is not None else (None, None)
+    windows = list(layer_windows) + list(extra_windows)
+    if extra_windows and shapes is not None and len(set(shapes)) > 1:
+        raise ValueError("a DFlash drafter needs a target whose layers all have one K/V shape; "
+                         "this model's layers differ (Gemma 4)")
+    if shapes is not None:
+        shapes = list(shapes) + [shapes[0]] * len(extra_windows)
+    if sources is not None:
+        sources = list(sources) + list(range(len(sources), len(windows)))
+    return build_layout(windows, all_full, shapes, sources)

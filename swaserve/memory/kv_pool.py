@@ -10,6 +10,12 @@ layer's K cache `[num_pages, page_size, kv_heads, head_dim]`, a strided view who
 spans the whole page (the kernels take strides, and index pages in int64). Storage only:
 indices and refcounts live in memory/manager.py.
 
+Layers of different K/V sizes (`GroupLayout.kv_shapes`, Gemma 4): the row shape is one unit
+`(1, unit_width)` and a layer of u units takes u consecutive slots, its K `[page_size, heads,
+head_dim]` then its V in one contiguous block; `layer_cache` and the row views are then per layer
+(same strides form: page stride the whole page). A layer that shares another's K/V
+(`kv_sources`) sees its source's cache and scales.
+
 FP8 (`float8_e4m3fn`): each layer has a K and a V scale; the pool stores `round(x / scale)`
 saturated at +-448, and readers multiply back (the Triton kernels fold the scales in).
 """
@@ -57,29 +63,52 @@ class KVPool:
         self.page_size = page_size
         self.dtype = dtype
         self.is_fp8 = dtype == torch.float8_e4m3fn
+        # mixed K/V widths: rows of one unit; the layers' own shapes come from the layout
+        num_kv_heads, head_dim = layout.row_shape(num_kv_heads, head_dim)
         shape = (num_pages, layout.slots_per_page, 2, page_size, num_kv_heads, head_dim)
         if torch.device(device).type == "cpu":
             self.pages = lazy_zeros(shape, dtype)
         else:
             self.pages = torch.zeros(shape, dtype=dtype, device=device)
         self.kv = self.pages.permute(1, 2, 0, 3, 4, 5)  # [slot, k|v, page, offset, head, dim]
-        # pages viewed as rows of [kv_heads, head_dim]: (page, slot, k|v, offset) -> one row
-        self._rows = self.pages.view(-1, num_kv_heads, head_dim)
-        self._page_rows = layout.slots_per_page * 2 * page_size
         n = len(layout.layer_to_slot)
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._layer_rows: list[tuple[torch.Tensor, int, int]] = []  # (rows, first, page_rows)
+        flat = self.pages.view(-1)
+        page_elems = self.pages[0].numel() if num_pages else 0
+        unit = num_kv_heads * head_dim
+        for layer in range(n):
+            slot = layout.layer_to_slot[layer]
+            h, d = (num_kv_heads, head_dim) if layout.kv_shapes is None \
+                else layout.kv_shapes[layer]  # fmt: skip
+            width, off = h * d, flat.storage_offset() + slot * 2 * page_size * unit
+            size, stride = (num_pages, page_size, h, d), (page_elems, width, d, 1)
+            self._caches.append((flat.as_strided(size, stride, off),
+                                 flat.as_strided(size, stride, off + page_size * width)))
+            # pages viewed as rows of [h, d]: (page, slot, k|v, offset) -> one row
+            self._layer_rows.append((flat.view(-1, h, d), (off - flat.storage_offset()) // width,
+                                     page_elems // width))
         self.k_scales = [1.0] * n  # per layer; 1.0 and unused unless fp8
         self.v_scales = [1.0] * n
 
     def set_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
-        self.k_scales, self.v_scales = list(k_scales), list(v_scales)
+        """Per-layer scales; a KV-sharing layer's are its source's, whatever is given."""
+        src = [self.layout.kv_source(i) for i in range(len(k_scales))]
+        self.k_scales = [k_scales[s] for s in src]
+        self.v_scales = [v_scales[s] for s in src]
 
     def layer_scales(self, layer_id: int) -> tuple[float, float]:
-        return self.k_scales[layer_id], self.v_scales[layer_id]
+        src = self.layout.kv_source(layer_id)
+        return self.k_scales[src], self.v_scales[src]
+
+    def max_layer_shape(self) -> tuple[int, int]:
+        """(most KV heads, largest head size) over the layers: static buffers sized for any."""
+        shapes = [k.shape[2:] for k, _ in self._caches]
+        return max(h for h, _ in shapes), max(d for _, d in shapes)
 
     def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each `[num_pages, page_size, kv_heads, head_dim]`."""
-        slot = self.layout.layer_to_slot[layer_id]
-        return self.kv[slot, 0], self.kv[slot, 1]
+        return self._caches[layer_id]
 
     def _encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if self.is_fp8:
@@ -87,15 +116,15 @@ class KVPool:
         return x.to(self.dtype)
 
     def row_addressing(self, layer_id: int) -> tuple[torch.Tensor, int, int]:
-        """(rows, first, page_rows): the pool as rows `[N, kv_heads, head_dim]`, where the K of
-        a layer's flat slot s is row `s + (s // page_size) * (page_rows - page_size) + first`
-        and its V that row + page_size (the native CPU kernels address the pool so)."""
-        return self._rows, self.layout.layer_to_slot[layer_id] * 2 * self.page_size, \
-            self._page_rows
+        """(rows, first, page_rows): the pool as rows `[N, kv_heads, head_dim]` of this layer's
+        shape, where the K of a layer's flat slot s is row
+        `s + (s // page_size) * (page_rows - page_size) + first` and its V that row + page_size
+        (the native CPU kernels address the pool so)."""
+        return self._layer_rows[layer_id]
 
     def _k_rows(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
-        """Rows of `_rows` holding the K of flat slots `page * page_size + offset` of a layer;
-        its V rows are these + page_size."""
+        """Rows of `row_addressing(layer_id)[0]` holding the K of flat slots
+        `page * page_size + offset` of a layer; its V rows are these + page_size."""
         _, first, page_rows = self.row_addressing(layer_id)
         ps = self.page_size
         return slots + (slots // ps) * (page_rows - ps) + first
@@ -106,16 +135,18 @@ class KVPool:
         """Scatter new K/V `[T, kv_heads, head_dim]` to flat slots `page * page_size + offset`."""
         ks, vs = self.layer_scales(layer_id)
         rows = self._k_rows(layer_id, slot_mapping)
-        self._rows[rows] = self._encode(k, ks)
-        self._rows[rows + self.page_size] = self._encode(v, vs)
+        table = self._layer_rows[layer_id][0]
+        table[rows] = self._encode(k, ks)
+        table[rows + self.page_size] = self._encode(v, vs)
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[len(slots), kv_heads, head_dim]` at flat slots, dequantised to float32."""
         rows = self._k_rows(layer_id, slots)
         # index_select, not advanced indexing: it copies whole [kv_heads, head_dim] rows
         # (~7x faster on CPU for decode batches' thousands of slots)
-        k = torch.index_select(self._rows, 0, rows).float()
-        v = torch.index_select(self._rows, 0, rows + self.page_size).float()
+        table = self._layer_rows[layer_id][0]
+        k = torch.index_select(table, 0, rows).float()
+        v = torch.index_select(table, 0, rows + self.page_size).float()
         if self.is_fp8:
             ks, vs = self.layer_scales(layer_id)
             k, v = k * ks, v * vs

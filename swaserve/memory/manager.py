@@ -64,7 +64,9 @@ def _ceil_div(a: int, b: int) -> int:
 def page_bytes(
     layout: GroupLayout, page_size: int, kv_heads: int, head_dim: int, dtype_bytes: int
 ) -> int:
-    """Bytes of one page id: K and V of `page_size` tokens for every layer slot."""
+    """Bytes of one page id: K and V of `page_size` tokens for every layer slot (rows of
+    `layout.row_shape(kv_heads, head_dim)`)."""
+    kv_heads, head_dim = layout.row_shape(kv_heads, head_dim)
     return layout.slots_per_page * 2 * page_size * kv_heads * head_dim * dtype_bytes
 
 
