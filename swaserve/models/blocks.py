@@ -90,10 +90,12 @@ def _rope_params(config: Any, layer_type: str | None) -> dict:
 
 
 def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None) -> torch.Tensor:
-    """Inverse frequencies for rotary embedding: default, linear, llama3 and yarn scaling (yarn
-    also scales cos/sin: `rope_attention_scaling`)."""
+    """Inverse frequencies for rotary embedding: default, linear, llama3, yarn (which also
+    scales cos/sin: `rope_attention_scaling`) and proportional (Gemma 4)."""
     p = _rope_params(config, layer_type)
     base = float(p["rope_theta"])
+    if p.get("rope_type") == "proportional":  # Gemma 4's full layers
+        return _proportional_inv_freq(p, head_dim, base)
     # transformers v5 keeps the partial factor in rope_parameters, v4 on the config
     dim = int(head_dim * p.get("partial_rotary_factor",
                                getattr(config, "partial_rotary_factor", 1.0)))
@@ -117,9 +119,22 @@ def rope_inv_freq(config: Any, head_dim: int, layer_type: str | None) -> torch.T
         inv = _yarn_inv_freq(inv, p, dim, base, _yarn_factor(config, p))
     elif kind != "default":
         raise ValueError(
-            f"unsupported rope_type {kind!r} (supported: default, linear, llama3, yarn)"
+            f"unsupported rope_type {kind!r} "
+            "(supported: default, linear, llama3, yarn, proportional)"
         )
     return inv
+
+
+def _proportional_inv_freq(p: dict, head_dim: int, base: float) -> torch.Tensor:
+    """Proportional rope (Gemma 4): the first `partial_rotary_factor x head_dim / 2` pairs turn
+    at `base^(-2i / head_dim)` (exponents over the whole head, unlike partial rotary), the
+    other pairs not at all (frequency 0: cos 1, sin 0, exactly the identity); all over
+    `factor`. The table spans the whole head, so the rotation is a plain rotate_half one."""
+    angles = int(float(p.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    steps = torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float()
+    inv = torch.cat((1.0 / (base ** (steps / head_dim)),
+                     torch.zeros(head_dim // 2 - angles, device="cpu")))
+    return inv / float(p.get("factor", 1.0))
 
 
 def _yarn_factor(config: Any, p: dict) -> float:
@@ -305,6 +320,8 @@ class Attention(nn.Module):
     cpu_prologue = False
     cpu_qk_scale: torch.Tensor | None = None
     qk_norm_whole = False  # q/k norms over the whole projections (OLMo 2/3): see __init__
+    # V's own norm, `[T, Hkv, D] -> [T, Hkv, D]`, before the store (Gemma 4: no scale)
+    v_norm: Any = None
 
     def __init__(
         self,
@@ -366,6 +383,8 @@ class Attention(nn.Module):
 
             q, k = qk_prologue(self, qkv, fb)
             v = qkv[:, qkv.shape[1] - kv_dim :].view(-1, s.num_kv_heads, s.head_dim)
+            if self.v_norm is not None:
+                v = self.v_norm(v)
             out = fb.backend.forward(q, k, v, s, self.sinks, fb)
             return out.reshape(q.shape[0], s.num_heads * s.head_dim)
         q, k, v = qkv.split([s.num_heads * s.head_dim, kv_dim, kv_dim], dim=-1)
@@ -382,6 +401,8 @@ class Attention(nn.Module):
         q = q.view(t, s.num_heads, s.head_dim)
         k = k.view(t, s.num_kv_heads, s.head_dim)
         v = v.view(t, s.num_kv_heads, s.head_dim)
+        if self.v_norm is not None and not kv_stored:
+            v = self.v_norm(v)
         prologue = None if kv_stored else self.prologue(fb.backend)
         if prologue is None and not kv_stored:
             if self.q_norm is not None and not self.qk_norm_whole:

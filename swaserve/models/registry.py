@@ -32,6 +32,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Granite 3.x: Llama with muP multipliers; GraniteSWA adds sliding layers and sinks
     "GraniteForCausalLM": ("swaserve.models.granite", "GraniteForCausalLM"),
     "GraniteSWAForCausalLM": ("swaserve.models.granite", "GraniteSWAForCausalLM"),
+    # Gemma 4 (dense): per-kind head sizes, KV sharing, per-layer embeddings; the multimodal
+    # checkpoint serves its text model
+    "Gemma4ForCausalLM": ("swaserve.models.gemma4", "Gemma4ForCausalLM"),
+    "Gemma4ForConditionalGeneration": ("swaserve.models.gemma4", "Gemma4ForCausalLM"),
     # VaultGemma: Gemma 2 without post-norms
     "VaultGemmaForCausalLM": ("swaserve.models.gemma3", "VaultGemmaForCausalLM"),
 }
@@ -56,6 +60,8 @@ _MODEL_TYPES = {
     "granite": "GraniteForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
     "vaultgemma": "VaultGemmaForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
 }
 
 

@@ -53,7 +53,13 @@ def load_hf_config(folder: Path) -> Any:
 
     cfg = AutoConfig.from_pretrained(str(folder))
     # Multimodal wrappers (Gemma3ForConditionalGeneration) keep the LM config inside.
-    return getattr(cfg, "text_config", None) or cfg
+    cfg = getattr(cfg, "text_config", None) or cfg
+    if getattr(cfg, "per_layer_config", None) is not None:
+        # transformers 5's heterogeneous configs (Gemma 4) refuse global reads of per-layer
+        # fields: the engine reads the global (first-kind) values where any layer's will do,
+        # and each layer's own where they differ (models/gemma4.py, GroupLayout.kv_shapes)
+        cfg.allow_global_per_layer_attribute_access = True
+    return cfg
 
 
 def build_model(

@@ -1,0 +1,130 @@
+"""Gemma 4 text on tiny random configs against transformers' Gemma4ForCausalLM.
+
+- "dense" (31B-like): full layers with their own head size (32 against 16) and, through
+  `attention_k_eq_v`, one KV head where sliding layers have two and no v_proj; proportional
+  rope on full layers; final-logit soft-capping.
+- "edge" (E2B-like): per-layer embeddings (PLE), the last three layers sharing K/V with the last
+  earlier layer of their kind, twice-wide MLPs there, head sizes 16 / 32.
+
+Every layer's `layer_scalar` is set away from 1 before saving. Prompts are longer than the
+window (5), pages and chunks small, so chunked prefill, paged KV and window retirement run, and
+the pool holds layers of two K/V widths in one page size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from swaserve import Engine, SamplingParams
+from tests.helpers import assert_logits_match_hf, random_prompts
+
+ENGINE = dict(device="cpu", dtype="float32", kv_cache_gb=0.01)
+TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
+
+
+def _config(name: str) -> transformers.Gemma4TextConfig:
+    common = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        head_dim=16, global_head_dim=32, sliding_window=5, max_position_embeddings=256,
+        rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    if name == "dense":
+        return transformers.Gemma4TextConfig(
+            **common, num_hidden_layers=6, layer_types=TYPES * 2, num_key_value_heads=2,
+            attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=3.0,
+            hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+        )  # fmt: skip
+    return transformers.Gemma4TextConfig(
+        **common, num_hidden_layers=7, layer_types=TYPES * 2 + ["full_attention"],
+        num_key_value_heads=1, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+        num_kv_shared_layers=3, use_double_wide_mlp=True, final_logit_softcapping=None,
+    )  # fmt: skip
+
+
+NAMES = ["dense", "edge"]
+
+
+def _save(cfg, folder):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.6 + 0.15 * i)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    out = {}
+    for name in NAMES:
+        folder = tmp_path_factory.mktemp(f"gemma4_{name}")
+        out[name] = (folder, _save(_config(name), folder))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("page_size,chunk", [(4, 7), (16, 64), (1, 5)])
+def test_logits_match_hf(hf_folders, name, page_size, chunk):
+    folder, ref = hf_folders[name]
+    engine = Engine(model=str(folder), page_size=page_size, max_num_batched_tokens=chunk, **ENGINE)
+    assert_logits_match_hf(engine, ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("disable_fused_ops", [False, True])
+def test_greedy_equals_hf_generate(hf_folders, name, disable_fused_ops):
+    """Greedy tokens (CPU-packed weights, or the eager blocks) equal transformers' `generate`
+    past the window, in one batch of three prompts."""
+    folder, ref = hf_folders[name]
+    engine = Engine(model=str(folder), page_size=4, max_num_batched_tokens=16,
+                    disable_fused_ops=disable_fused_ops, **ENGINE)  # fmt: skip
+    prompts = random_prompts(128, [11, 20, 3], seed=4)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    for ids, out in zip(prompts, outs, strict=True):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            want = ref.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
+                pad_token_id=0, eos_token_id=None,
+            )[0, len(ids):].tolist()  # fmt: skip
+        assert out.token_ids == want, name
+    engine.core.memory.check_integrity()
+
+
+def test_pool_layout(hf_folders):
+    """What the pool holds: full layers' rows twice as wide as sliding ones' in the dense
+    model (two unit slots); shared layers own no slot and read their source's cache."""
+    engine = Engine(model=str(hf_folders["dense"][0]), page_size=4, **ENGINE)
+    layout = engine.core.layout
+    assert layout.kv_shapes == ((2, 16), (2, 16), (1, 32)) * 2
+    assert layout.unit_width == 32 and layout.num_padded_slots == 0
+    kv = engine.core.kv
+    assert kv.layer_cache(2)[0].shape[1:] == (4, 1, 32)
+    assert kv.layer_cache(0)[0].shape[1:] == (4, 2, 16)
+    edge = Engine(model=str(hf_folders["edge"][0]), page_size=4, **ENGINE)
+    lay = edge.core.layout
+    assert lay.kv_sources == (0, 1, 2, 3, 3, 2, 2)
+    owned = sorted(x for g in lay.groups for x in g.layers)
+    assert owned == [0, 1, 2, 3]
+    k6, k2 = edge.core.kv.layer_cache(6)[0], edge.core.kv.layer_cache(2)[0]
+    assert k6.data_ptr() == k2.data_ptr() and k6.stride() == k2.stride()
+
+
+def test_unsupported_variants_are_clear_errors():
+    from swaserve.models.gemma4 import Gemma4ForCausalLM
+
+    cfg = _config("dense")
+    cfg.enable_moe_block = True
+    with pytest.raises(ValueError, match="MoE"):
+        Gemma4ForCausalLM(cfg)
+    cfg = _config("dense")
+    cfg.use_bidirectional_attention = "all"
+    with pytest.raises(ValueError, match="bidirectional"):
+        Gemma4ForCausalLM(cfg)
