@@ -1,4 +1,4 @@
-"""Gemma 4 text (E2B, E4B, 31B; the MoE 26B-A4B is refused for now): Gemma 3's sliding/full
+"""Gemma 4 text (E2B, E4B, 31B, and the MoE 26B-A4B): Gemma 3's sliding/full
 layers with what Gemma 4 changed, as transformers' `Gemma4ForCausalLM` computes it:
 
 - Per-kind attention shapes: full layers have their own head size (`global_head_dim`, 512
@@ -13,6 +13,8 @@ layers with what Gemma 4 changed, as transformers' `Gemma4ForCausalLM` computes 
 - Per-layer embeddings (PLE, E2B/E4B): a second embedding table `[vocab, layers x P]` plus a
   projection of the scaled token embedding, normed and mixed, give each layer a P-vector that
   gates a projection added to its output.
+- MoE (26B-A4B): routed experts beside every layer's dense MLP (`Gemma4Experts`), the two
+  outputs normed and summed.
 - Each layer's output multiplied by its `layer_scalar`; final logits soft-capped.
 
 The multimodal checkpoint (Gemma4ForConditionalGeneration) serves its text model: the
@@ -24,6 +26,7 @@ fused q/k prologue paths are Llama's and Gemma 3's).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +48,17 @@ from swaserve.models.blocks import (
     rope_inv_freq,
 )
 from swaserve.models.gemma3 import Gemma3ForCausalLM
+from swaserve.models.moe import SparseMoE
+
+# checkpoint suffix of a layer's MoE parts -> Gemma4Experts parameter (the rest kept)
+_MOE_RENAMES = {
+    "router.proj.weight": "experts.router.weight",
+    "router.scale": "experts.router_scale",
+    "router.per_expert_scale": "experts.per_expert_scale",
+    "experts.gate_up_proj": "experts.w13",  # [E, 2I, H], gate rows first: SparseMoE's layout
+    "experts.down_proj": "experts.w2",
+}
+_MOE_RENAME = re.compile(r"(model\.layers\.\d+\.)(" + "|".join(map(re.escape, _MOE_RENAMES)) + ")")
 
 
 def _is_full(config: Any, layer: int) -> bool:
@@ -127,6 +141,40 @@ class Gemma4SharedAttention(nn.Module):
         return self.o_proj(out.reshape(t, s.num_heads * s.head_dim))
 
 
+class Gemma4Experts(SparseMoE):
+    """Gemma 4's routed experts (26B-A4B), beside the dense MLP of every layer. The router reads
+    the residual stream (not the experts' input): norm without scale, times `router_scale` and
+    hidden^-1/2, a linear map to expert logits, softmax over all experts in float32, top-k,
+    renormalised, each weight then times its expert's `per_expert_scale`. The experts see
+    `pre_feedforward_layernorm_2` of the stream; gelu(tanh) gate times up."""
+
+    def __init__(self, config: Any) -> None:
+        h = config.hidden_size
+        super().__init__(
+            h, config.moe_intermediate_size, config.num_experts, config.top_k_experts,
+            scoring="softmax_topk", renormalize=True, activation=config.hidden_activation,
+        )  # fmt: skip
+        self.router_scale = nn.Parameter(torch.ones(h))
+        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+        self.eps = config.rms_norm_eps
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = _scaleless_rmsnorm(h, self.eps) * self.router_scale * h.shape[-1] ** -0.5
+        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[ids]
+        return weights.to(h.dtype), ids
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Experts of `x`, routed by the residual stream `h`."""
+        if self.ep is not None:
+            raise NotImplementedError("expert parallelism for Gemma 4's MoE")
+        weights, ids = self.route(h)
+        b2 = self.b2 if self.tp is None or self.tp.rank == 0 else None
+        out = self.run_experts(x, weights, ids, b2)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, window: int | None, layer_type: str,
                  source: int) -> None:  # fmt: skip
@@ -146,6 +194,12 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.experts = Gemma4Experts(config) if getattr(config, "enable_moe_block", False) \
+            else None  # fmt: skip
+        if self.experts is not None:
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.ple:
@@ -159,6 +213,9 @@ class Gemma4DecoderLayer(nn.Module):
         a = self.self_attn(positions, self.input_layernorm(h), fb)
         h = h + self.post_attention_layernorm(a)
         m = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.experts is not None:  # dense MLP and routed experts, each normed, summed
+            e = self.experts(h, self.pre_feedforward_layernorm_2(h))
+            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(e)
         h = h + self.post_feedforward_layernorm(m)
         if self.ple:
             g = self.act(self.per_layer_input_gate(h)) * ple
@@ -172,9 +229,6 @@ class Gemma4Model(nn.Module):
         if getattr(config, "use_bidirectional_attention", None) == "all":
             raise ValueError("Gemma 4 with use_bidirectional_attention='all' is not a causal "
                              "LM; swaserve serves causal attention only")
-        if getattr(config, "enable_moe_block", False):
-            raise ValueError("Gemma 4 MoE (enable_moe_block, 26B-A4B) is not supported yet; "
-                             "the dense Gemma 4 models are")
         h, n = config.hidden_size, config.num_hidden_layers
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_scale = h**0.5
@@ -249,6 +303,9 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             elif name.startswith(("model.vision_tower.", "model.audio_tower.",
                                   "model.embed_vision.", "model.embed_audio.")):
                 continue
+            m = _MOE_RENAME.fullmatch(name)
+            if m:
+                name = m[1] + _MOE_RENAMES[m[2]]
             yield name, None, t
             parts = name.split(".")
             if (len(parts) > 4 and parts[:2] == ["model", "layers"]

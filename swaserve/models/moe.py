@@ -48,6 +48,8 @@ def _activate(gate_up: torch.Tensor, activation: str, limit: float) -> torch.Ten
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "gelu_pytorch_tanh":  # Gemma 4
+        return F.gelu(gate, approximate="tanh") * up
     if activation == "swigluoai":  # gpt-oss: clamped, and (up + 1)
         gate = gate.clamp(max=limit)
         up = up.clamp(-limit, limit)

@@ -7,6 +7,7 @@ For token t and its k-th expert e = topk_ids[t, k] (slot s = t * K + k):
                                                swigluoai (gpt-oss): gate = min(gate, limit),
                                                up = clamp(up, -limit, limit),
                                                a = (up + 1) * gate * sigmoid(1.702 * gate)
+                                               gelu_pytorch_tanh (Gemma 4): gelu(gate) * up
     y = a @ w2[e].T (+ b2[e])                  [H]
     out[t] = sum_k topk_weights[t, k] * y
 
@@ -65,7 +66,7 @@ import triton.language as tl
 
 from swaserve.ops.rounding import round_to
 
-ACT_IDS = {"silu": 0, "swigluoai": 1}
+ACT_IDS = {"silu": 0, "swigluoai": 1, "gelu_pytorch_tanh": 2}
 SWIGLU_ALPHA = 1.702
 ALIGN_TILE = 8192  # elements of the alignment's one-hot [CHUNK, E_PAD] tile
 MAX_CHUNK = 256
@@ -313,6 +314,9 @@ def _gate_up_kernel(
         acc_u += tl.load(b_ptrs + INTER).to(tl.float32)[None, :]
     if ACT == 0:  # silu
         act = acc_g * tl.sigmoid(acc_g) * acc_u
+    elif ACT == 2:  # gelu (tanh approximation): 0.5 (1 + tanh(y)) = sigmoid(2y)
+        y2 = 1.5957691216057308 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)  # 2 sqrt(2/pi)
+        act = acc_g * tl.sigmoid(y2) * acc_u
     else:  # swigluoai
         gate = tl.minimum(acc_g, limit)
         up = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -479,6 +483,8 @@ def _activation(h: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
     gate, up = h[..., :i], h[..., i:]
     if activation == "silu":
         return torch.nn.functional.silu(gate) * up
+    if activation == "gelu_pytorch_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=limit)
     up = up.clamp(-limit, limit)
     return (up + 1) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)

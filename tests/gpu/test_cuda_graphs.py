@@ -16,6 +16,13 @@ pytestmark = [
 ]
 
 
+GEMMA4 = dict(
+    vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8, head_dim=16,
+    global_head_dim=32, sliding_window=24, max_position_embeddings=2048, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = {}
@@ -80,6 +87,28 @@ def tiny(tmp_path_factory):
             sliding_window=24, sliding_window_pattern=2, pad_token_id=0, bos_token_id=1,
             eos_token_id=2,
         ),
+        # Gemma 4: full layers of 32-dim heads and one KV head (k_eq_v) beside sliding layers
+        # of 16-dim heads and two (two K/V widths in one pool), proportional rope; and the
+        # edge shape: per-layer embeddings, the last layers sharing their source's K/V
+        "gemma4": transformers.Gemma4TextConfig(
+            **GEMMA4, num_hidden_layers=6, num_key_value_heads=2, attention_k_eq_v=True,
+            num_global_key_value_heads=1, final_logit_softcapping=5.0,
+            hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        ),
+        "gemma4_edge": transformers.Gemma4TextConfig(
+            **GEMMA4, num_hidden_layers=7, num_key_value_heads=1,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
+            num_kv_shared_layers=3, use_double_wide_mlp=True,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2
+            + ["full_attention"],
+        ),
+        "gemma4_moe": transformers.Gemma4TextConfig(
+            **GEMMA4, num_hidden_layers=3, num_key_value_heads=2, attention_k_eq_v=True,
+            num_global_key_value_heads=1, hidden_size_per_layer_input=0, enable_moe_block=True,
+            num_experts=8, top_k_experts=2, moe_intermediate_size=64,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
     }
     for name, cfg in cfgs.items():
         folder = tmp_path_factory.mktemp(name)
@@ -88,7 +117,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2", "phi3", "cohere2", "olmo3",
-                                  "exaone4", "granite"])
+                                  "exaone4", "granite", "gemma4", "gemma4_edge", "gemma4_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_decode_equals_eager(tiny, name, dtype, request):
     if name == "granite" and dtype == "bfloat16":
@@ -111,7 +140,8 @@ def test_graph_decode_equals_eager(tiny, name, dtype, request):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen2", "gemma2", "phi3", "smollm3",
-                                  "cohere2", "olmo3", "exaone4", "granite"])
+                                  "cohere2", "olmo3", "exaone4", "granite", "gemma4",
+                                  "gemma4_edge", "gemma4_moe"])
 def test_engine_logits_equal_transformers_on_gpu(tiny, name):
     folder, ref = tiny[name]
     e = Engine(model=str(folder), dtype="float32", kv_cache_gb=0.05, page_size=16,

@@ -140,7 +140,7 @@ SHAPES = [(1, 4, 1), (1, 8, 4), (3, 8, 2), (17, 4, 2), (17, 8, 4), (64, 8, 1), (
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+@pytest.mark.parametrize("activation", ["silu", "swigluoai", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("t,e,k", SHAPES)
 def test_triton_fused_moe(t, e, k, bias, activation, dtype):

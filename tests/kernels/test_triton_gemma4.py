@@ -2,8 +2,9 @@
 attention backend reading a pool whose layers have two K/V widths (full layers' 32-dim heads
 in two unit slots, sliding layers' 16-dim ones), the fused q/k prologue with V normed before the
 store, shared-KV layers attending to their source's cache (`kv_stored`), merged q/k/v (k_proj
-loaded as v_proj too under `attention_k_eq_v`). Per-position logits equal transformers' and
-the eager blocks'; greedy tokens equal the eager blocks'.
+loaded as v_proj too under `attention_k_eq_v`), and the fused MoE kernel (gelu) beside the
+dense MLP. Per-position logits equal transformers' and the eager blocks'; greedy tokens equal
+the eager blocks'.
 
 Set SWASERVE_TEST_TRITON_CUDA=1 to skip it (the CPU engine test of a CUDA run).
 """
@@ -23,7 +24,7 @@ triton = pytest.importorskip("triton")
 
 
 @pytest.mark.skipif(_CUDA, reason="CPU engine test")
-@pytest.mark.parametrize("name", ["dense", "edge"])
+@pytest.mark.parametrize("name", ["dense", "edge", "moe"])
 def test_triton_fused_ops_gemma4(tmp_path, name):
     from swaserve import Engine, SamplingParams
     from swaserve.models.gemma4 import Gemma4Attention

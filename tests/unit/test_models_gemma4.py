@@ -5,6 +5,8 @@
   rope on full layers; final-logit soft-capping.
 - "edge" (E2B-like): per-layer embeddings (PLE), the last three layers sharing K/V with the last
   earlier layer of their kind, twice-wide MLPs there, head sizes 16 / 32.
+- "moe" (26B-A4B-like): routed experts (4, top 2) beside each layer's dense MLP, routed by the
+  residual stream, with per-expert scales.
 
 Every layer's `layer_scalar` is set away from 1 before saving. Prompts are longer than the
 window (5), pages and chunks small, so chunked prefill, paged KV and window retirement run, and
@@ -37,6 +39,13 @@ def _config(name: str) -> transformers.Gemma4TextConfig:
             attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=3.0,
             hidden_size_per_layer_input=0, num_kv_shared_layers=0,
         )  # fmt: skip
+    if name == "moe":
+        return transformers.Gemma4TextConfig(
+            **common, num_hidden_layers=3, layer_types=TYPES, num_key_value_heads=2,
+            attention_k_eq_v=True, num_global_key_value_heads=1, hidden_size_per_layer_input=0,
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+            final_logit_softcapping=30.0,
+        )  # fmt: skip
     return transformers.Gemma4TextConfig(
         **common, num_hidden_layers=7, layer_types=TYPES * 2 + ["full_attention"],
         num_key_value_heads=1, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
@@ -44,7 +53,7 @@ def _config(name: str) -> transformers.Gemma4TextConfig:
     )  # fmt: skip
 
 
-NAMES = ["dense", "edge"]
+NAMES = ["dense", "edge", "moe"]
 
 
 def _save(cfg, folder):
@@ -120,10 +129,6 @@ def test_pool_layout(hf_folders):
 def test_unsupported_variants_are_clear_errors():
     from swaserve.models.gemma4 import Gemma4ForCausalLM
 
-    cfg = _config("dense")
-    cfg.enable_moe_block = True
-    with pytest.raises(ValueError, match="MoE"):
-        Gemma4ForCausalLM(cfg)
     cfg = _config("dense")
     cfg.use_bidirectional_attention = "all"
     with pytest.raises(ValueError, match="bidirectional"):
