@@ -97,8 +97,11 @@ def run_memory_bench(
     kv_cache_gb: float,
     chunk: int = 2048,
     dtype_bytes: int = 2,
+    kv_shapes: Sequence[tuple[int, int]] | None = None,
+    kv_sources: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Concurrent requests of `context` tokens in `kv_cache_gb` GiB: window-aware vs all-full.
+    """Concurrent requests of `context` tokens in `kv_cache_gb` GiB: window-aware vs all-full
+    (both with the layers' own K/V shapes and sharing where given: `build_layout`).
 
     `ratio` = max_concurrent / max_concurrent_all_full (None when the baseline fits none:
     the result is strict JSON);
@@ -107,8 +110,8 @@ def run_memory_bench(
         raise ValueError("context and chunk must be >= 1")
     budget = int(kv_cache_gb * GIB)
     args = (page_size, kv_heads, head_dim, dtype_bytes, context, budget, chunk)
-    swa = _run_layout(build_layout(layer_windows), *args)
-    full = _run_layout(build_layout(layer_windows, all_full=True), *args)
+    swa = _run_layout(build_layout(layer_windows, False, kv_shapes, kv_sources), *args)
+    full = _run_layout(build_layout(layer_windows, True, kv_shapes, kv_sources), *args)
     base = full["max_concurrent"]
     return {
         "bytes_per_request": swa["bytes_per_request"],
@@ -171,7 +174,17 @@ def main_from_config(
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     windows = layer_windows_from_config(cfg)
-    result = run_memory_bench(windows, page_size, kv_heads, head_dim, context, kv_cache_gb)
+    shapes = sources = None
+    if cfg.get("model_type") == "gemma4_text":  # per-kind K/V shapes, KV-shared layers
+        from types import SimpleNamespace
+
+        from swaserve.models.gemma4 import kv_sources, layer_attention_shape
+
+        ns = SimpleNamespace(**cfg)
+        shapes = [layer_attention_shape(ns, i) for i in range(len(windows))]
+        sources = kv_sources(ns)
+    result = run_memory_bench(windows, page_size, kv_heads, head_dim, context, kv_cache_gb,
+                              kv_shapes=shapes, kv_sources=sources)  # fmt: skip
     result["num_swa_layers"] = sum(w is not None for w in windows)
     result["num_full_layers"] = sum(w is None for w in windows)
     return result

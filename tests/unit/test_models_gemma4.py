@@ -133,3 +133,23 @@ def test_unsupported_variants_are_clear_errors():
     cfg.use_bidirectional_attention = "all"
     with pytest.raises(ValueError, match="bidirectional"):
         Gemma4ForCausalLM(cfg)
+
+
+def test_memory_bench_on_the_shipped_31b_shape():
+    """`swaserve bench memory --model gemma-4-31b` on the release's shape (50 sliding layers of
+    16 x 256, window 1024; 10 full layers of 4 x 512): pages of 10 unit slots of 2,048
+    elements (16 tokens: 1,310,720 bytes in bf16), one full group of 10 layers and 10 sliding
+    groups of 5, nothing padded. A 32k request holds the full group's 2,048 pages and one
+    window (64 pages) in each sliding group."""
+    import json
+
+    from swaserve.bench.memory import main_from_config
+    from swaserve.weights.loader import SHIPPED_CONFIGS
+
+    cfg = json.loads((SHIPPED_CONFIGS / "gemma-4-31b" / "config.json").read_text())
+    r = main_from_config(cfg, context=32768, kv_cache_gb=20, page_size=16)
+    assert r["layout"]["page_bytes"] == 10 * 2 * 16 * 2048 * 2
+    assert r["layout"]["num_groups"] == 11
+    assert r["layout"]["pages_per_request"] == 2048 + 10 * 64
+    assert r["bytes_per_request"] == (2048 + 640) * r["layout"]["page_bytes"]
+    assert r["max_concurrent"] == 5 and r["max_concurrent_all_full"] == 0
