@@ -51,7 +51,22 @@ CASES = [
      1, 0, 0.0, False, 64, False, True, False),
     ("decode bf16 D256 G2 window sinks 8 splits", torch.bfloat16, torch.bfloat16, 256, 2, 1,
      1024, 0.0, True, 8, False),
+    # Gemma 4's full layers: 512-dim heads, 8 query heads a KV head (31B), its own tiles
+    ("prefill bf16 fresh D512 G8", torch.bfloat16, torch.bfloat16, 512, 8, 1000, 0, 0.0, False,
+     1, True),
+    ("mixed-decode bf16 fresh D512 G8", torch.bfloat16, torch.bfloat16, 512, 8, 1, 0, 0.0,
+     False, 1, True),
+    ("decode bf16 D512 G8 8 splits pdl", torch.bfloat16, torch.bfloat16, 512, 8, 1, 0, 0.0,
+     False, 8, False, True),
+    ("prefill fp8 fresh D512 G8", torch.bfloat16, "fp8", 512, 8, 1000, 0, 0.0, False, 1, True),
+    ("mixed-decode fp8 fresh D512 G8", torch.bfloat16, "fp8", 512, 8, 1, 0, 0.0, False, 1,
+     True),
+    ("prefill bf16 fresh D256 G2 window", torch.bfloat16, torch.bfloat16, 256, 2, 1000, 1024,
+     0.0, False, 1, True),
 ]
+# Shared memory a block may use on sm_90 (H100/H200: 227 KiB): a kernel past it compiles but
+# fails at launch ("out of resources")
+SM90_MAX_SHARED = 232448
 
 def _check_pdl(kernel, pdl: bool) -> None:
     """A PDL variant waits on the kernel before it (griddepcontrol.wait); no other does."""
@@ -102,6 +117,9 @@ def compile_case(case: tuple) -> None:
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     _check_pdl(kernel, pdl)
+    if kernel.metadata.shared > SM90_MAX_SHARED:
+        raise AssertionError(f"{kernel.metadata.shared} bytes of shared memory (sm_90: at most "
+                             f"{SM90_MAX_SHARED})")
     ptx = kernel.asm["ptx"]
     in_kernel = "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx
     if in_kernel != (merge and splits > 1) or (in_kernel and "bar.sync" not in ptx):

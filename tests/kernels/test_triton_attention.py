@@ -239,6 +239,13 @@ def test_triton_head_dim_256():
     check(case, atol=2e-4)
 
 
+@pytest.mark.parametrize("qlens,ctxs", [([3, 1, 40], [8, 140, 0]), ([1, 1], [70, 5])])
+def test_triton_head_dim_512(qlens, ctxs):
+    """Gemma 4's full layers: the 512-dim tiles (64 x 16 for chunks, 32 x 32 for decode)."""
+    case = make_case(qlens, ctxs, num_kv_heads=1, group=8, head_dim=512, seed=51)
+    check(case, atol=2e-4)
+
+
 # ---- dtypes ------------------------------------------------------------------------------------
 
 

@@ -174,6 +174,11 @@ def attention_config(
     # Prefill tiles (wgmma) take the fp16-converted q as a register operand: at D=256 that
     # spills inside the key loop (sm_90 compile), so those keep bf16 dots.
     fp16_dot = block_m <= 32 or head_dim <= 128
+    if head_dim > 256:  # Gemma 4's 512-dim full layers: tiles that fit 227 KiB of shared memory
+        # (sm_90a compile: 128 x 64 at D=512 wanted 448 KiB; 64 x 16 takes 144 KiB for prefill,
+        # 32 x 32 at most 177 KiB for decode tiles) and a [64, 512] float32 accumulator
+        block_m = max(min(block_m, 64), g_pad)
+        block_n = 32 if block_m <= 32 else 16
     return AttentionConfig(block_m, block_m // g_pad, block_n, num_warps, num_stages, fp16_dot)
 
 
