@@ -168,6 +168,17 @@ class _Planner:
             a.k_norm = self._projection_norm(a.k_norm, f"{prefix}k_norm.", (k0 * d, k1 * d))
         a.spec = dataclasses.replace(s, num_heads=h1 - h0, num_kv_heads=k1 - k0)
 
+    def query_only_attention(self, a: nn.Module, prefix: str) -> None:
+        """A layer reading another layer's K/V (Gemma 4's KV sharing: q_proj and o_proj only):
+        its query heads as `attention` cuts them, the KV heads of its source's cut."""
+        s, d = a.spec, a.spec.head_dim
+        (h0, h1), (k0, k1) = self.heads(s.num_heads, s.num_kv_heads)
+        for leaf in ("weight", "bias"):
+            self.keep(a.q_proj, f"{prefix}q_proj.", leaf, 0, [(h0 * d, h1 * d)])
+        a.q_proj.out_features = (h1 - h0) * d
+        a.o_proj = self._row_parallel(a.o_proj, f"{prefix}o_proj.", [(h0 * d, h1 * d)])
+        a.spec = dataclasses.replace(s, num_heads=h1 - h0, num_kv_heads=k1 - k0)
+
     def _projection_norm(
         self, norm: RMSNorm, prefix: str, cols: tuple[int, int]
     ) -> ProjectionRMSNorm:
@@ -246,6 +257,8 @@ def shard_model(model: nn.Module, tp: TPGroup, experts: bool = True) -> dict[str
             prefix = f"{name}." if name else ""
             if isinstance(module, Attention):
                 planner.attention(module, prefix)
+            elif getattr(module, "tp_query_only", False):
+                planner.query_only_attention(module, prefix)
             elif isinstance(module, GatedMLP):
                 planner.mlp(module, prefix)
             elif isinstance(module, SparseMoE) and experts:

@@ -120,6 +120,8 @@ class Gemma4SharedAttention(nn.Module):
     """A KV-shared layer: q/o projections and the q norm only; it attends to its source
     layer's K/V in the pool (the backend's `kv_stored` path, k = v = None)."""
 
+    tp_query_only = True  # tensor parallelism: q/o cut by heads (distributed/layers.py)
+
     def __init__(self, spec: AttentionSpec, hidden: int, rotary: Rotary, eps: float,
                  bias: bool) -> None:  # fmt: skip
         super().__init__()

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import assert_logits_match_hf, random_prompts
+from tests.helpers import assert_logits_match_hf, assert_tp2_equals_tp1, random_prompts
 
 ENGINE = dict(device="cpu", dtype="float32", kv_cache_gb=0.01)
 TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
@@ -153,3 +153,14 @@ def test_memory_bench_on_the_shipped_31b_shape():
     assert r["layout"]["pages_per_request"] == 2048 + 10 * 64
     assert r["bytes_per_request"] == (2048 + 640) * r["layout"]["page_bytes"]
     assert r["max_concurrent"] == 5 and r["max_concurrent_all_full"] == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tensor_parallel_equals_tp1(hf_folders, name):
+    """TP = 2 (gloo, 2 ranks): full and sliding layers cut by their own KV heads (the dense
+    full layers' one KV head serves both ranks), shared-KV layers' query heads cut with their
+    source's, the per-layer embedding table over the vocabulary, the experts by their
+    intermediate rows: greedy tokens, logprobs and prompt logits equal TP = 1."""
+    folder, _ = hf_folders[name]
+    assert_tp2_equals_tp1(dict(model=str(folder), page_size=4, max_num_batched_tokens=16,
+                               **ENGINE))  # fmt: skip
