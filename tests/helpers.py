@@ -63,6 +63,39 @@ def assert_logits_match_hf(engine, ref, vocab: int = 128, tol: float = 1e-3) -> 
     assert idle["pages_held_by_requests"] == 0
 
 
+def assert_greedy_equals_hf_generate(engine, ref, prompts: list[list[int]], max_tokens: int = 6,
+                                     label: str = "") -> None:  # fmt: skip
+    """Greedy tokens of `engine` (EOS ignored) for `prompts`, in one batch, equal transformers'
+    `generate` of `ref` one prompt at a time: an explicit attention mask (token 0 in a prompt is
+    not padding) and no eos (as the engine's ignore_eos; min_new_tokens would instead forbid
+    the eos token, which a greedy path may take)."""
+    from swaserve import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    for ids, out in zip(prompts, outs, strict=True):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            want = ref.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                do_sample=False, pad_token_id=0, eos_token_id=None,
+            )[0, len(ids):].tolist()  # fmt: skip
+        assert len(want) == max_tokens
+        assert out.token_ids == want, label
+
+
+def logits_and_greedy(engine, ids: list[int], max_tokens: int = 6,
+                      prefix: int = 9) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+    """Every position's logits of prompt `ids`, and the greedy tokens (EOS ignored) after its
+    first `prefix` ids: what the fused-ops tests compare before and after fusing."""
+    from swaserve import SamplingParams
+
+    logits = engine_prompt_logits(engine, ids)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    out = engine.generate(prompt_token_ids=[ids[:prefix]], sampling_params=greedy)
+    return logits, out[0].outputs[0].token_ids
+
+
 def assert_tp2_equals_tp1(engine_kwargs: dict, vocab: int = 128, max_tokens: int = 8,
                           check=None) -> None:  # fmt: skip
     """TP = 2 (gloo, 2 ranks) against one eager rank on the same checkpoint: greedy tokens and

@@ -26,10 +26,10 @@ triton = pytest.importorskip("triton")
 @pytest.mark.skipif(_CUDA, reason="CPU engine test")
 @pytest.mark.parametrize("name", ["dense", "edge", "moe"])
 def test_triton_fused_ops_gemma4(tmp_path, name):
-    from swaserve import Engine, SamplingParams
+    from swaserve import Engine
     from swaserve.models.gemma4 import Gemma4Attention
     from swaserve.ops import enable_fused_ops
-    from tests.helpers import engine_prompt_logits, random_prompts
+    from tests.helpers import logits_and_greedy, random_prompts
     from tests.unit.test_models_gemma4 import _config, _save
 
     ref = _save(_config(name), tmp_path)
@@ -40,19 +40,12 @@ def test_triton_fused_ops_gemma4(tmp_path, name):
     )  # fmt: skip
     model = engine.core.model
     ids = random_prompts(128, [23])[0]
-    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-    def run() -> tuple[torch.Tensor, list[int]]:
-        logits = engine_prompt_logits(engine, ids)
-        out = engine.generate(prompt_token_ids=[ids[:9]], sampling_params=greedy)
-        return logits, out[0].outputs[0].token_ids
-
-    want_logits, want_tokens = run()
+    want_logits, want_tokens = logits_and_greedy(engine, ids)
     enable_fused_ops(model)
     attn = next(m for m in model.modules() if isinstance(m, Gemma4Attention))
     assert attn.qkv_weight is not None and attn.fused
     assert attn.prologue(engine.core.runner.backend) is not None
-    got_logits, got_tokens = run()
+    got_logits, got_tokens = logits_and_greedy(engine, ids)
     with torch.no_grad():
         hf = ref(torch.tensor([ids])).logits[0]
     assert (want_logits - hf).abs().max().item() < 1e-3

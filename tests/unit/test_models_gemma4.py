@@ -19,8 +19,13 @@ import pytest
 import torch
 import transformers
 
-from swaserve import Engine, SamplingParams
-from tests.helpers import assert_logits_match_hf, assert_tp2_equals_tp1, random_prompts
+from swaserve import Engine
+from tests.helpers import (
+    assert_greedy_equals_hf_generate,
+    assert_logits_match_hf,
+    assert_tp2_equals_tp1,
+    random_prompts,
+)
 
 ENGINE = dict(device="cpu", dtype="float32", kv_cache_gb=0.01)
 TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
@@ -93,17 +98,8 @@ def test_greedy_equals_hf_generate(hf_folders, name, disable_fused_ops):
     folder, ref = hf_folders[name]
     engine = Engine(model=str(folder), page_size=4, max_num_batched_tokens=16,
                     disable_fused_ops=disable_fused_ops, **ENGINE)  # fmt: skip
-    prompts = random_prompts(128, [11, 20, 3], seed=4)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
-    for ids, out in zip(prompts, outs, strict=True):
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            want = ref.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
-                pad_token_id=0, eos_token_id=None,
-            )[0, len(ids):].tolist()  # fmt: skip
-        assert out.token_ids == want, name
+    assert_greedy_equals_hf_generate(engine, ref, random_prompts(128, [11, 20, 3], seed=4),
+                                     label=name)  # fmt: skip
     engine.core.memory.check_integrity()
 
 

@@ -18,9 +18,10 @@ import pytest
 import torch
 import transformers
 
-from swaserve import Engine, SamplingParams
+from swaserve import Engine
 from swaserve.ops import greedy_head
 from tests.helpers import (
+    assert_greedy_equals_hf_generate,
     assert_tp2_equals_tp1,
     engine_prompt_logits,
     random_prompts,
@@ -114,21 +115,8 @@ def test_greedy_equals_hf_generate(hf_folders, name, disable_fused_ops):
         # the screen serves a power-of-two divisor (4), not 3, nor soft-capped logits
         screened = engine.core.runner.greedy_head is not None
         assert screened == (name in ("granite", "granite_swa", "cwm")), name
-    prompts = random_prompts(128, [11, 20, 3], seed=4)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
-    for ids, out in zip(prompts, outs, strict=True):
-        x = torch.tensor([ids])
-        # an explicit mask: token 0 in a prompt is not padding; no eos, as the engine's
-        # ignore_eos (min_new_tokens would instead forbid the eos token, which one prompt's
-        # greedy path takes)
-        with torch.no_grad():
-            want = ref.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
-                pad_token_id=0, eos_token_id=None,
-            )[0, len(ids):].tolist()  # fmt: skip
-        assert len(want) == 6
-        assert out.token_ids == want, name
+    assert_greedy_equals_hf_generate(engine, ref, random_prompts(128, [11, 20, 3], seed=4),
+                                     label=name)  # fmt: skip
 
 
 def test_granite_greedy_head_only_for_power_of_two_divisors():
