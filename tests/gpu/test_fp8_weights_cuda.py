@@ -39,7 +39,12 @@ def test_fp8_linear_cuda_equals_cpu(rows):
     want = cpu(x.float())
     got = cuda(x.cuda()).float().cpu()
     assert got.dtype == torch.float32 and got.shape == (rows, 4096)
-    assert ((got - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
+    # The CUDA module keeps its bias in bf16 and rounds its output to bf16; products and sums
+    # are exact or float32 on both sides. So within a few bf16 roundings of the terms: the
+    # bias, the product before it (large where they cancel) and the result (H100,
+    # 2026-12-06: |want| 2^-7 alone failed near zero, where the bias's rounding dominates)
+    terms = want.abs() + b.abs() + (want - b).abs()
+    assert ((got - want).abs() <= terms * 2**-7 + 1e-3).all()
 
 
 @pytest.fixture(scope="module")
