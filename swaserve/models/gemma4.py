@@ -42,6 +42,7 @@ from swaserve.models.blocks import (
     RMSNorm,
     Rotary,
     _rotate,
+    add_rmsnorm,
     layer_type_names,
     layer_windows,
     rope_attention_scaling,
@@ -213,8 +214,9 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor, ple: torch.Tensor | None,
                 fb: ForwardBatch) -> torch.Tensor:  # fmt: skip
         a = self.self_attn(positions, self.input_layernorm(h), fb)
-        h = h + self.post_attention_layernorm(a)
-        m = self.mlp(self.pre_feedforward_layernorm(h))
+        # h += post_attention_layernorm(a), x = pre_feedforward_layernorm(h): one fused launch
+        x, h = add_rmsnorm(a, h, self.pre_feedforward_layernorm, self.post_attention_layernorm)
+        m = self.mlp(x)
         if self.experts is not None:  # dense MLP and routed experts, each normed, summed
             e = self.experts(h, self.pre_feedforward_layernorm_2(h))
             m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(e)
