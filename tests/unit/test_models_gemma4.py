@@ -160,3 +160,24 @@ def test_tensor_parallel_equals_tp1(hf_folders, name):
     folder, _ = hf_folders[name]
     assert_tp2_equals_tp1(dict(model=str(folder), page_size=4, max_num_batched_tokens=16,
                                **ENGINE))  # fmt: skip
+
+
+def test_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """The released checkpoints are Gemma4ForConditionalGeneration (`model.language_model.*`
+    beside a vision tower and its embedder): the engine loads the text model from it, the
+    towers skipped, and its prompt logits equal the multimodal model's on text."""
+    cfg = transformers.Gemma4Config(
+        text_config=_config("dense").to_dict(), audio_config=None,
+        vision_config=transformers.Gemma4VisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, head_dim=16,
+        ).to_dict(),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.Gemma4ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.2)
+    ref.save_pretrained(tmp_path)
+    engine = Engine(model=str(tmp_path), page_size=4, **ENGINE)
+    assert_logits_match_hf(engine, ref.eval())
