@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from swaserve import Engine
+from swaserve import Engine, SamplingParams
 from tests.helpers import (
     assert_greedy_equals_hf_generate,
     assert_logits_match_hf,
@@ -181,3 +181,23 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path):
     ref.save_pretrained(tmp_path)
     engine = Engine(model=str(tmp_path), page_size=4, **ENGINE)
     assert_logits_match_hf(engine, ref.eval())
+
+
+def test_ngram_speculation_is_lossless(hf_folders):
+    """Verify chunks and their rollback through the per-layer pool and KV-shared layers: n-gram
+    speculation on repetitive prompts accepts drafts and gives the tokens and logprobs of
+    speculation off."""
+    folder = str(hf_folders["edge"][0])
+    prompts = [[5, 6, 7, 8] * 8, [9, 10, 11] * 9 + [12]]
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    outs = {}
+    for spec in (None, "ngram"):
+        kw = {"speculative_algorithm": spec} if spec else {}
+        engine = Engine(model=folder, page_size=4, **ENGINE, **kw)
+        outs[spec] = engine.generate(prompt_token_ids=prompts, sampling_params=p)
+        engine.core.memory.check_integrity()
+    assert sum(o.spec_decoding["spec_accepted_drafts"] for o in outs["ngram"]) > 0
+    for a, b in zip(outs[None], outs["ngram"], strict=True):
+        assert a.token_ids == b.token_ids
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(la, lb, strict=True)) < 1e-5
