@@ -201,3 +201,25 @@ def test_ngram_speculation_is_lossless(hf_folders):
         assert a.token_ids == b.token_ids
         la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
         assert max(abs(x.logprob - y.logprob) for x, y in zip(la, lb, strict=True)) < 1e-5
+
+
+def test_prefix_hit_past_the_window(hf_folders):
+    """A second prompt sharing a 45-token prefix (nine windows) reuses it from the prefix cache
+    (the full layers' pages, the sliding layers' last window; the shared layers read their
+    sources') and generates what a cold engine does."""
+    folder = str(hf_folders["edge"][0])
+    base = random_prompts(128, [45], seed=9)[0]
+    prompts = [base + [3, 4, 5], base + [7, 8]]
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    cold = Engine(model=folder, page_size=4, disable_prefix_cache=True, **ENGINE)
+    want = [cold.generate(prompt_token_ids=[x], sampling_params=p)[0] for x in prompts]
+    warm = Engine(model=folder, page_size=4, **ENGINE)
+    got = []
+    for x in prompts:
+        got.append(warm.generate(prompt_token_ids=[x], sampling_params=p)[0])
+        warm.core.memory.check_integrity()
+    assert [g.num_cached_tokens for g in got] == [0, 45]
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        lg, lw = g.outputs[0].logprobs, w.outputs[0].logprobs
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(lg, lw, strict=True)) < 1e-5
