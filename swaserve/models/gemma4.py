@@ -151,6 +151,8 @@ class Gemma4Experts(SparseMoE):
     renormalised, each weight then times its expert's `per_expert_scale`. The experts see
     `pre_feedforward_layernorm_2` of the stream; gelu(tanh) gate times up."""
 
+    one_init = ("router_scale", "per_expert_scale")  # dummy weights: scales at 1
+
     def __init__(self, config: Any) -> None:
         h = config.hidden_size
         super().__init__(
@@ -179,6 +181,8 @@ class Gemma4Experts(SparseMoE):
 
 
 class Gemma4DecoderLayer(nn.Module):
+    one_init = ("layer_scalar",)  # dummy weights: the output scale at 1, not 0
+
     def __init__(self, config: Any, layer_id: int, window: int | None, layer_type: str,
                  source: int) -> None:  # fmt: skip
         super().__init__()

@@ -209,10 +209,11 @@ def _init_dummy(model: nn.Module, seed: int, shards: dict[str, Shard] | None = N
         gen = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
         if p.ndim == 1 or _is_zero_init(model, name):
             # Norm weights: 1 for w-scaled norms, 0 for Gemma's (1 + w); biases and sinks 0
-            # (and what a module lists in `zero_init`: the MoE experts' [E, n] biases).
+            # (and what a module lists in `zero_init`: the MoE experts' [E, n] biases); the
+            # multiplicative scales a module lists in `one_init` 1 (Gemma 4's layer_scalar).
             unit_offset = name.endswith("norm.weight") and _is_unit_offset(model, name)
-            fill = 1.0 if name.endswith("norm.weight") and not unit_offset else 0.0
-            p.fill_(fill)
+            one = (name.endswith("norm.weight") and not unit_offset) or _is_one_init(model, name)
+            p.fill_(1.0 if one else 0.0)
         elif name in shards:
             shard = shards[name]
             full = torch.empty(shard.full_shape, dtype=p.dtype, device=p.device)
@@ -225,6 +226,11 @@ def _init_dummy(model: nn.Module, seed: int, shards: dict[str, Shard] | None = N
 def _is_zero_init(model: nn.Module, param_name: str) -> bool:
     owner, _, leaf = param_name.rpartition(".")
     return leaf in getattr(model.get_submodule(owner), "zero_init", ())
+
+
+def _is_one_init(model: nn.Module, param_name: str) -> bool:
+    owner, _, leaf = param_name.rpartition(".")
+    return leaf in getattr(model.get_submodule(owner), "one_init", ())
 
 
 def _is_unit_offset(model: nn.Module, param_name: str) -> bool:

@@ -223,3 +223,19 @@ def test_prefix_hit_past_the_window(hf_folders):
         assert g.token_ids == w.token_ids
         lg, lw = g.outputs[0].logprobs, w.outputs[0].logprobs
         assert max(abs(x.logprob - y.logprob) for x, y in zip(lg, lw, strict=True)) < 1e-5
+
+
+def test_dummy_weights_keep_the_scales_at_one():
+    """`--load-format dummy`: layer_scalar and the router's scales are 1 (zeros, as other
+    vectors get, would zero every layer's output and every expert weight)."""
+    from swaserve.models.gemma4 import Gemma4ForCausalLM
+    from swaserve.weights.loader import _init_dummy
+
+    model = Gemma4ForCausalLM(_config("moe"))
+    _init_dummy(model, seed=0)
+    layer = model.model.layers[0]
+    assert layer.layer_scalar.item() == 1.0
+    assert bool((layer.experts.router_scale == 1).all())
+    assert bool((layer.experts.per_expert_scale == 1).all())
+    assert bool((layer.input_layernorm.weight == 1).all())
+    assert layer.self_attn.q_proj.weight.std().item() > 0
