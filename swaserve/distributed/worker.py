@@ -108,13 +108,12 @@ def build_shard(
     (`tier_mover`), and its DFlash drafter shard if any (its layers in the pool after the
     target's; the runner keeps its target_layer_ids)."""
     from swaserve.attention import backend_class
-    from swaserve.distributed.layers import kv_heads_per_rank
     from swaserve.engine.core import agree_kv_scales, kv_budget_bytes
     from swaserve.engine.limits import check_model_len
     from swaserve.memory.groups import model_layout
     from swaserve.memory.kv_pool import KVPool
     from swaserve.memory.manager import page_bytes
-    from swaserve.models.blocks import head_dim_of, layer_windows
+    from swaserve.models.blocks import layer_windows, pool_row_shape
     from swaserve.speculative.dflash_setup import build_proposer, dflash_setup
     from swaserve.weights.fp8_checkpoint import resolve_quantization
     from swaserve.weights.loader import build_model, load_hf_config
@@ -145,7 +144,7 @@ def build_shard(
         enable_fused_ops(model)
     extra = list(dflash.cfg.layer_windows) if dflash else []
     layout = model_layout(model, layer_windows(hf), config.disable_hybrid_kv_cache, extra)
-    kv_heads, head_dim = kv_heads_per_rank(hf.num_key_value_heads, tp.size), head_dim_of(hf)
+    kv_heads, head_dim = pool_row_shape(hf, layout, tp.size)
     kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else dtype
     per_page = page_bytes(layout, config.page_size, kv_heads, head_dim, kv_dtype.itemsize)
     backend = backend_class(config.backend_name())(layout, config.page_size, device)

@@ -470,6 +470,17 @@ def layer_type_names(config: Any) -> list[str]:
     return ["full_attention" if w is None else "sliding_attention" for w in layer_windows(config)]
 
 
+def pool_row_shape(config: Any, layout: Any, tp_size: int = 1) -> tuple[int, int]:
+    """(kv_heads, head_dim) of the KV pool's rows: one unit where the layers' shapes differ
+    (`GroupLayout.kv_shapes`, read without the config's global per-layer fields, which
+    transformers warns about), else the model's K/V head shape (this rank's heads under TP)."""
+    if layout.kv_shapes is not None:
+        return layout.row_shape(0, 0)
+    from swaserve.distributed.layers import kv_heads_per_rank
+
+    return kv_heads_per_rank(config.num_key_value_heads, tp_size), head_dim_of(config)
+
+
 def head_dim_of(config: Any) -> int:
     hd = getattr(config, "head_dim", None)
     return hd if hd else config.hidden_size // config.num_attention_heads
