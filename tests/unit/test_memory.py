@@ -155,6 +155,69 @@ def test_layout_property(windows):
     check_layout([None] * len(windows), build_layout(windows, all_full=True))
 
 
+def _layer_bytes(kv, layer: int) -> set[int]:
+    """Element offsets (within one page) of layer `layer`'s K and V rows."""
+    import torch
+
+    out = set()
+    base = kv.pages.data_ptr()
+    for t in kv.layer_cache(layer):
+        page0 = t[0]
+        idx = torch.arange(page0.numel()).view(page0.shape)
+        off = (page0.data_ptr() - base) // t.element_size()
+        strides = page0.stride()
+        for i in idx.flatten().tolist():
+            pos, rem = [], i
+            for n in reversed(page0.shape):
+                pos.append(rem % n)
+                rem //= n
+            pos.reverse()
+            out.add(off + sum(p * s for p, s in zip(pos, strides, strict=True)))
+    return out
+
+
+@pytest.mark.parametrize("sharing", [False, True])
+def test_mixed_kv_shapes_pool_views_disjoint(sharing):
+    """Layers of two K/V widths (Gemma 4-like: sliding layers of 2 x 4 elements a row, width 8,
+    beside full ones of 1 x 16, width 16) in one pool: every owning layer's K and V rows are
+    disjoint from those of the other layers of its group and inside
+    the page; what a layer stores in its group's pages it reads back, whatever the other layers
+    of the group stored; a sharing layer reads its source's rows."""
+    import torch
+
+    from swaserve.memory.kv_pool import KVPool
+
+    windows = [4, 4, None, 4, 4, None, 4, None]
+    shapes = [(2, 4) if w else (1, 16) for w in windows]
+    sources = [0, 1, 2, 3, 4, 5, 4, 5] if sharing else None
+    layout = build_layout(windows, kv_shapes=shapes, kv_sources=sources)
+    assert layout.unit_width == 8 and layout.slots_per_page % 2 == 0
+    kv = KVPool(layout, 1 + 2 * layout.num_groups, 4, 99, 99, torch.float32,
+                torch.device("cpu"))  # fmt: skip
+    page = kv.pages[0].numel()
+    owners = [i for i in range(len(windows)) if layout.kv_source(i) == i]
+    for g in layout.groups:
+        seen: set[int] = set()
+        for layer in g.layers:
+            b = _layer_bytes(kv, layer)
+            assert len(b) == 2 * 4 * shapes[layer][0] * shapes[layer][1]
+            assert not (b & seen) and max(b) < page and min(b) >= 0
+            seen |= b
+    def slots(layer: int) -> torch.Tensor:  # two pages of the layer's group (page = 4 slots)
+        p = 1 + 2 * layout.layer_to_group[layer]
+        return torch.tensor([4 * p, 4 * p + 3, 4 * (p + 1) + 1])
+
+    for layer in owners:
+        h, d = shapes[layer]
+        k = torch.full((3, h, d), float(layer + 1))
+        kv.store(layer, k, -k, slots(layer))
+    for layer in range(len(windows)):
+        src = layout.kv_source(layer)
+        k, v = kv.read(layer, slots(layer))
+        assert bool((k == src + 1).all()) and bool((v == -(src + 1)).all()), layer
+        assert kv.row_addressing(layer)[0].shape[1:] == shapes[src]
+
+
 # ---- pool ------------------------------------------------------------------------------
 
 
