@@ -41,7 +41,6 @@ from swaserve.models.blocks import (
     GatedMLP,
     RMSNorm,
     Rotary,
-    _rotate,
     add_rmsnorm,
     layer_type_names,
     layer_windows,
@@ -136,10 +135,7 @@ class Gemma4SharedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         s, t = self.spec, x.shape[0]
         q = self.q_norm(self.q_proj(x).view(t, s.num_heads, s.head_dim))
-        r = self.rotary
-        freqs = positions.float()[:, None] * r.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        q = _rotate(q, emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :])
+        q, _ = self.rotary(positions, q, q[:, :0])  # no keys to turn: zero heads
         out = fb.backend.forward(q, None, None, s, None, fb, kv_stored=True)
         return self.o_proj(out.reshape(t, s.num_heads * s.head_dim))
 
