@@ -20,8 +20,9 @@ layers with what Gemma 4 changed, as transformers' `Gemma4ForCausalLM` computes 
 The multimodal checkpoint (Gemma4ForConditionalGeneration) serves its text model: the
 `model.language_model.` prefix is read as `model.`; the vision and audio towers are skipped.
 Bidirectional attention over all tokens (`use_bidirectional_attention: "all"`) is refused.
-Not fused yet on the GPU: these layers run their norms and rotary as torch ops (the GEMV and the
-fused q/k prologue paths are Llama's and Gemma 3's).
+On the GPU the layers take the fused kernels (norms, the post-attention add-norm, the q/k norms
+and rotary with the K/V store, the merged q/k/v and gate/up GEMMs, the fused MoE); not the
+decode GEMV, which is Llama's.
 """
 
 from __future__ import annotations
