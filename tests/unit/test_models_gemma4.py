@@ -239,3 +239,36 @@ def test_dummy_weights_keep_the_scales_at_one():
     assert bool((layer.experts.per_expert_scale == 1).all())
     assert bool((layer.input_layernorm.weight == 1).all())
     assert layer.self_attn.q_proj.weight.std().item() > 0
+
+
+def test_host_and_disk_tiers_under_device_pressure(hf_folders, tmp_path):
+    """Whole pages of a pool of two K/V widths through the host and disk tiers: three
+    conversations whose cached prefixes do not fit the device pool together come back from the
+    host (and disk) tiers and answer as an engine without a prefix cache does."""
+    import random
+
+    folder = str(hf_folders["edge"][0])
+    rng = random.Random(3)
+    starts = [[rng.randrange(3, 128) for _ in range(150)] for _ in range(3)]
+    turns = [[[rng.randrange(3, 128) for _ in range(20)] for _ in range(3)] for _ in range(2)]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def talk(engine):
+        history, outs = list(starts), []
+        for rnd in turns:
+            for c in range(3):
+                prompt = history[c] + rnd[c]
+                out = engine.generate(prompt_token_ids=[prompt], sampling_params=p,
+                                      use_tqdm=False)[0]  # fmt: skip
+                engine.core.memory.check_integrity()
+                outs.append(out.token_ids)
+                history[c] = prompt + out.token_ids
+        return outs
+
+    want = talk(Engine(model=folder, disable_prefix_cache=True, **ENGINE))
+    tiers = Engine(model=folder, kv_cache_gb=0.00012, device="cpu", dtype="float32",
+                   host_cache_gb=0.01, disk_cache_dir=str(tmp_path))  # fmt: skip
+    assert talk(tiers) == want
+    stats = tiers.memory_stats()
+    assert stats["evictions"] > 0 and stats["host_loads"] > 0, stats
+    tiers.core.cache.close()
