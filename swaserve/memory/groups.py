@@ -175,6 +175,9 @@ def build_layout(
                              "with its own K/V")
         if src != layer and windows[src] != windows[layer]:
             raise ValueError(f"layer {layer} reads layer {src}'s K/V but their windows differ")
+        if src != layer and shapes is not None and shapes[src] != shapes[layer]:
+            raise ValueError(f"layer {layer} reads layer {src}'s K/V but their K/V shapes "
+                             f"differ ({shapes[layer]} against {shapes[src]})")
     gcd = math.gcd(*(h * d for h, d in shapes)) if shapes else 1
 
     def units(layer: int) -> int:

@@ -218,6 +218,64 @@ def test_mixed_kv_shapes_pool_views_disjoint(sharing):
         assert kv.row_addressing(layer)[0].shape[1:] == shapes[src]
 
 
+def test_layout_sharing_errors():
+    """A layer may only read an earlier layer's K/V, one that has its own, of its window and
+    shape."""
+    w = [4, None, 4, None]
+    for sources, message in [([0, 1, 3, 3], "earlier"), ([0, 1, 1, 3], "windows differ"),
+                             ([0, 0, 2, 3], "windows differ")]:
+        with pytest.raises(ValueError, match=message):
+            build_layout(w, kv_sources=sources)
+    with pytest.raises(ValueError, match="K/V shapes differ"):
+        build_layout(w, kv_shapes=[(1, 8), (1, 16), (2, 8), (1, 16)], kv_sources=[0, 1, 0, 1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([None, 3, 512]), st.sampled_from([(1, 8), (2, 8),
+                                                                          (1, 24), (4, 16)])),
+             min_size=1, max_size=24),
+    st.integers(0, 6),
+)
+def test_layout_property_mixed_shapes_and_sharing(layers, shared):
+    """Any windows, K/V shapes and a tail of sharing layers: every owning layer is in exactly
+    one group of its window; a group's layers all have one width, sit at consecutive,
+    non-overlapping unit slots inside the page; the page is a multiple of every width; a
+    sharing layer maps to its source's group and slot."""
+    windows = [w for w, _ in layers]
+    shapes = [shape for _, shape in layers]
+    n, first = len(layers), max(1, len(layers) - shared)
+    sources = list(range(n))
+    for i in range(first, n):  # the last earlier owner of the same window and shape, if any
+        same = [j for j in range(first) if (windows[j], shapes[j]) == (windows[i], shapes[i])]
+        if same:
+            sources[i] = same[-1]
+    layout = build_layout(windows, kv_shapes=shapes, kv_sources=sources)
+    unit = math.gcd(*(h * d for h, d in shapes))
+    widths = {i: shapes[i][0] * shapes[i][1] // unit for i in range(n)}
+    if len(set(shapes)) == 1:
+        widths = dict.fromkeys(range(n), 1)
+    owners = [i for i in range(n) if sources[i] == i]
+    assert all(layout.slots_per_page % widths[i] == 0 for i in owners)
+    seen = []
+    for g in layout.groups:
+        assert len({widths[layer] for layer in g.layers}) == 1
+        assert {windows[layer] for layer in g.layers} == {g.window}
+        end = 0
+        for layer in g.layers:
+            assert layout.layer_to_group[layer] == g.index
+            assert layout.layer_to_slot[layer] == end  # packed from slot 0, no overlap
+            end += widths[layer]
+        assert end <= layout.slots_per_page
+        seen += g.layers
+    assert sorted(seen) == owners
+    for i in range(n):
+        src = sources[i]
+        assert (layout.layer_to_group[i], layout.layer_to_slot[i]) == (
+            layout.layer_to_group[src], layout.layer_to_slot[src])
+        assert layout.kv_source(i) == src
+
+
 # ---- pool ------------------------------------------------------------------------------
 
 
