@@ -113,7 +113,7 @@ def build_shard(
     from swaserve.memory.groups import model_layout
     from swaserve.memory.kv_pool import KVPool
     from swaserve.memory.manager import page_bytes
-    from swaserve.models.blocks import layer_windows, pool_row_shape
+    from swaserve.models.blocks import drafter_layers, layer_windows, pool_row_shape
     from swaserve.speculative.dflash_setup import build_proposer, dflash_setup
     from swaserve.weights.fp8_checkpoint import resolve_quantization
     from swaserve.weights.loader import build_model, load_hf_config
@@ -142,8 +142,8 @@ def build_shard(
         from swaserve.ops import enable_fused_ops
 
         enable_fused_ops(model)
-    extra = list(dflash.cfg.layer_windows) if dflash else []
-    layout = model_layout(model, layer_windows(hf), config.disable_hybrid_kv_cache, extra)
+    layout = model_layout(model, layer_windows(hf), config.disable_hybrid_kv_cache,
+                          *drafter_layers(dflash.cfg if dflash else None, hf, tp))
     kv_heads, head_dim = pool_row_shape(hf, layout, tp.size)
     kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else dtype
     per_page = page_bytes(layout, config.page_size, kv_heads, head_dim, kv_dtype.itemsize)

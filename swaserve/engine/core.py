@@ -37,7 +37,7 @@ from swaserve.memory.groups import model_layout
 from swaserve.memory.kv_pool import KVPool
 from swaserve.memory.manager import MemoryManager, page_bytes
 from swaserve.memory.radix_cache import build_prefix_cache
-from swaserve.models.blocks import layer_windows, pool_row_shape
+from swaserve.models.blocks import drafter_layers, layer_windows, pool_row_shape
 from swaserve.outputs import EngineCoreOutput, Logprob
 from swaserve.sampling.generation_defaults import generation_defaults
 from swaserve.sampling.logprobs import compute_logprobs
@@ -220,9 +220,8 @@ class EngineCore:
         ).get("max_tokens")
         self.grammars = Grammars(functools.partial(_tokenizer, folder, config.tokenizer),
                                  int(hf.vocab_size), sorted(self.eos_token_ids))
-        extra = list(self.dflash_config.layer_windows) if self.dflash_config is not None else []
         self.layout = model_layout(self.model, layer_windows(hf), config.disable_hybrid_kv_cache,
-                                   extra)  # fmt: skip
+                                   *drafter_layers(self.dflash_config, hf, tp))  # fmt: skip
         # this rank's KV heads under TP: its pool is sized for them
         kv_heads, head_dim = pool_row_shape(hf, self.layout, 1 if tp is None else tp.size)
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype

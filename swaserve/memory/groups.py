@@ -46,7 +46,7 @@ K/V (`kv_sources[l] != l`) owns no slot; its group and slot are its source's.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -217,18 +217,23 @@ def build_layout(
 def model_layout(
     model: Any, layer_windows: Sequence[int | None], all_full: bool = False,
     extra_windows: Sequence[int | None] = (),
+    extra_shape: tuple[int, int] | None = None,
+    base_shape: Callable[[], tuple[int, int]] | None = None,
 ) -> GroupLayout:  # fmt: skip
-    """The layout of a built model's layers (then `extra_windows`: a DFlash drafter's, which
-    share the target's K/V shape): per-layer K/V shapes and KV sharing where the model declares
-    them (`model.kv_layout() -> (shapes, sources)`, Gemma 4; shapes per rank under TP)."""
+    """The layout of a built model's layers, then `extra_windows` (a DFlash drafter's layers, of
+    K/V shape `extra_shape`): per-layer K/V shapes and KV sharing where the model declares them
+    (`model.kv_layout() -> (shapes, sources)`, Gemma 4; shapes per rank under TP). A model that
+    declares none has one shape, `base_shape()` (asked only when a drafter's differs)."""
     declared = getattr(model, "kv_layout", None)
     shapes, sources = declared() if declared is not None else (None, None)
     windows = list(layer_windows) + list(extra_windows)
-    if extra_windows and shapes is not None and len(set(shapes)) > 1:
-        raise ValueError("a DFlash drafter needs a target whose layers all have one K/V shape; "
-                         "this model's layers differ (Gemma 4)")
-    if shapes is not None:
-        shapes = list(shapes) + [shapes[0]] * len(extra_windows)
+    if extra_windows and extra_shape is not None:
+        if shapes is None and base_shape is not None and base_shape() != tuple(extra_shape):
+            shapes = [base_shape()] * len(layer_windows)
+        if shapes is not None:
+            shapes = list(shapes) + [tuple(extra_shape)] * len(extra_windows)
+    elif extra_windows and shapes is not None:
+        raise ValueError("the extra layers' K/V shape is needed beside per-layer shapes")
     if sources is not None:
         sources = list(sources) + list(range(len(sources), len(windows)))
     return build_layout(windows, all_full, shapes, sources)

@@ -481,6 +481,20 @@ def pool_row_shape(config: Any, layout: Any, tp_size: int = 1) -> tuple[int, int
     return kv_heads_per_rank(config.num_key_value_heads, tp_size), head_dim_of(config)
 
 
+def drafter_layers(cfg: Any, config: Any, tp: Any = None) -> tuple[list, Any, Any]:
+    """(windows, K/V shape, the target's one K/V shape as a thunk) of a DFlash drafter's pool
+    layers (`cfg`: its DFlashConfig, or None: no drafter) for `memory.groups.model_layout`;
+    shapes per rank under TP (`tp`)."""
+    if cfg is None:
+        return [], None, None
+    from swaserve.distributed.layers import kv_heads_per_rank
+
+    size = 1 if tp is None else tp.size
+    shape = (kv_heads_per_rank(cfg.num_kv_heads, size), cfg.head_dim)
+    return list(cfg.layer_windows), shape, lambda: (
+        kv_heads_per_rank(config.num_key_value_heads, size), head_dim_of(config))
+
+
 def head_dim_of(config: Any) -> int:
     hd = getattr(config, "head_dim", None)
     return hd if hd else config.hidden_size // config.num_attention_heads

@@ -17,7 +17,6 @@ from torch import nn
 
 from swaserve.memory.groups import GroupLayout
 from swaserve.memory.kv_pool import KVPool
-from swaserve.models.blocks import head_dim_of
 from swaserve.speculative.dflash_config import DFlashConfig, load_dflash_config
 from swaserve.speculative.dflash_model import load_dflash_drafter
 from swaserve.speculative.dflash_proposer import DFlashProposer
@@ -51,16 +50,8 @@ def dflash_setup(config: EngineConfig, hf_config: Any) -> DFlashSetup | None:
             "--speculative-algorithm dflash needs --speculative-draft-model PATH (a DFlash "
             f"checkpoint folder) for {config.model}; a drafter ships for the built-in {have}"
         )
-    cfg = load_dflash_config(path, hf_config)
-    kv_heads, head_dim = int(hf_config.num_key_value_heads), head_dim_of(hf_config)
-    if (cfg.num_kv_heads, cfg.head_dim) != (kv_heads, head_dim):
-        raise ValueError(
-            f"{path}: the drafter's K/V shape (num_key_value_heads "
-            f"{cfg.num_kv_heads}, head_dim {cfg.head_dim}) differs from the target's "
-            f"({kv_heads}, {head_dim}); its layers share the target's KV pool, which needs "
-            "them equal"
-        )
-    return DFlashSetup(path, cfg)
+    # the drafter's layers take their own K/V shape in the target's pool (GroupLayout.kv_shapes)
+    return DFlashSetup(path, load_dflash_config(path, hf_config))
 
 
 def build_proposer(

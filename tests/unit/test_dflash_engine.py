@@ -175,6 +175,36 @@ def test_dflash_with_fp8_kv(models):
     assert sum(o.spec_decoding["spec_accepted_drafts"] for o in got) > 0
 
 
+def test_drafter_of_another_kv_shape(models, tmp_path):
+    """A drafter whose heads differ from the target's (head_dim 16 and 1 KV head against the
+    target's 8 and 2): its layers take their own K/V shape in the pool (two widths in one
+    page size); drafts equal the reference's and outputs stay lossless."""
+    target_dir, _, target, _, kind = models
+    ref = _reference(kind, head_dim=16, num_key_value_heads=1)
+    ref.save_pretrained(tmp_path)
+    kw = dict(max_num_batched_tokens=12, kv_cache_gb=0.002)
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = _prompts()
+    want = _engine(target_dir, None, **kw).generate(prompt_token_ids=prompts,
+                                                    sampling_params=params, use_tqdm=False)
+    on = _engine(target_dir, str(tmp_path), **kw)
+    layout, proposer = on.core.layout, on.core.spec.dflash
+    assert layout.kv_shapes is not None
+    assert {layout.kv_shapes[i] for i in proposer.pool_layer_ids} == {(1, 16)}
+    seen: list[tuple[list[int], int, list[int]]] = []
+    on_dflash_proposals(proposer, lambda r, d: seen.append(
+        (r.tokens(0, r.num_tokens), r.num_computed_tokens, d)))
+    got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        d = max(abs(a.logprob - b.logprob) for a, b in zip(g.outputs[0].logprobs,
+                                                             w.outputs[0].logprobs))
+        assert d < 1e-4
+    assert seen
+    for tokens, c, drafts in seen:
+        assert drafts == _reference_drafts(target, ref, tokens, c, len(drafts)), (c, tokens)
+
+
 def test_device_tokens_in_chunks():
     """Packed positions of a step's tokens -> a verify graph's rows of q per request."""
     from swaserve.engine.forward_batch import DeviceTokens

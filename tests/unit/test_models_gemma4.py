@@ -272,3 +272,46 @@ def test_host_and_disk_tiers_under_device_pressure(hf_folders, tmp_path):
     stats = tiers.memory_stats()
     assert stats["evictions"] > 0 and stats["host_loads"] > 0, stats
     tiers.core.cache.close()
+
+
+@pytest.mark.parametrize("name", ["dense", "edge"])
+def test_dflash_on_gemma4_is_lossless(hf_folders, tmp_path, name):
+    """DFlash on a Gemma 4 target: the drafter's context layers (a sliding and a full one, of
+    its own K/V shape) sit in the pool beside the target's two widths (and its KV-shared
+    layers); drafting through verify chunks keeps tokens and logprobs equal to speculation
+    off."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    from tests.helpers import check_integrity_every_step
+
+    folder = str(hf_folders[name][0])
+    n = _config(name).num_hidden_layers
+    raw = dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=128, hidden_size=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+        num_hidden_layers=2, num_target_layers=n, use_sliding_window=True, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        dflash_config={"block_size": 4, "mask_token_id": 127, "target_layer_ids": [1, n - 2],
+                       "input_embedding_scale": 8.0, "final_logit_softcapping": 3.0},
+    )  # fmt: skip
+    drafter = DFlashDraftModel(Qwen3Config.from_dict(raw)).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pname, p in drafter.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if pname.endswith("norm.weight") else 0.2 * noise)
+    drafter.save_pretrained(tmp_path)
+    prompts = random_prompts(126, [14, 30, 5], seed=6)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    kw = dict(model=folder, page_size=4, max_num_batched_tokens=12, **ENGINE)
+    want = Engine(**kw).generate(prompt_token_ids=prompts, sampling_params=params)
+    on = check_integrity_every_step(Engine(
+        **kw, speculative_algorithm="dflash", speculative_draft_model=str(tmp_path),
+        disable_adaptive_speculation=True))  # fmt: skip
+    got = on.generate(prompt_token_ids=prompts, sampling_params=params)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        lg, lw = g.outputs[0].logprobs, w.outputs[0].logprobs
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(lg, lw, strict=True)) < 1e-4
+    assert sum(o.spec_decoding["spec_verify_ct"] for o in got) > 0
