@@ -98,8 +98,7 @@ class KVPool:
         self.v_scales = [v_scales[s] for s in src]
 
     def layer_scales(self, layer_id: int) -> tuple[float, float]:
-        src = self.layout.kv_source(layer_id)
-        return self.k_scales[src], self.v_scales[src]
+        return self.k_scales[layer_id], self.v_scales[layer_id]
 
     def max_layer_shape(self) -> tuple[int, int]:
         """(most KV heads, largest head size) over the layers: static buffers sized for any."""
