@@ -176,10 +176,16 @@ def spawned_children(pid: int) -> list[int]:
 
 def save_random_hf_models(configs: dict, tmp_path_factory) -> dict:
     """name -> a fresh folder holding `save_random_hf_model` of configs[name]."""
+    return {name: folder for name, (folder, _) in
+            random_hf_models(configs, tmp_path_factory).items()}  # fmt: skip
+
+
+def random_hf_models(configs: dict, tmp_path_factory) -> dict:
+    """name -> (a fresh folder holding `save_random_hf_model` of configs[name], that model)."""
     out = {}
     for name, cfg in configs.items():
-        out[name] = tmp_path_factory.mktemp(name)
-        save_random_hf_model(cfg, out[name])
+        folder = tmp_path_factory.mktemp(name)
+        out[name] = (folder, save_random_hf_model(cfg, folder))
     return out
 
 

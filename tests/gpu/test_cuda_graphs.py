@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import engine_prompt_logits, save_random_hf_model, tiny_gemma3_config
+from tests.helpers import engine_prompt_logits, random_hf_models, tiny_gemma3_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +25,6 @@ GEMMA4 = dict(
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    out = {}
     cfgs = {
         "llama": transformers.LlamaConfig(
             vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
@@ -110,10 +109,7 @@ def tiny(tmp_path_factory):
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         ),
     }
-    for name, cfg in cfgs.items():
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, save_random_hf_model(cfg, folder))
-    return out
+    return random_hf_models(cfgs, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2", "phi3", "cohere2", "olmo3",

@@ -26,7 +26,11 @@ from safetensors.torch import load_file, save_file
 
 from swaserve import Engine, SamplingParams
 from swaserve.ops.fp8_linear import Fp8Linear
-from tests.helpers import engine_prompt_logits, random_prompts, save_random_hf_model
+from tests.helpers import (
+    engine_prompt_logits,
+    random_hf_models,
+    random_prompts,
+)
 from tests.unit.test_fp8_weights import (
     COMMON,
     PROJECTIONS,
@@ -166,11 +170,7 @@ def _reference(ref: torch.nn.Module, expected: dict, tp: int = 1) -> torch.nn.Mo
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    out = {}
-    for name, cfg in _configs().items():
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, save_random_hf_model(cfg, folder))
-    return out
+    return random_hf_models(_configs(), tmp_path_factory)
 
 
 def _engine(folder, **kw) -> Engine:

@@ -25,7 +25,11 @@ import transformers
 
 from swaserve import Engine, SamplingParams
 from swaserve.ops.fp8_linear import Fp8Linear
-from tests.helpers import engine_prompt_logits, random_prompts, save_random_hf_model
+from tests.helpers import (
+    engine_prompt_logits,
+    random_hf_models,
+    random_prompts,
+)
 
 COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -140,11 +144,7 @@ def _assert_projections_follow_the_scheme(engine: Engine, ref: torch.nn.Module, 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    out = {}
-    for name, cfg in _configs().items():
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, save_random_hf_model(cfg, folder))
-    return out
+    return random_hf_models(_configs(), tmp_path_factory)
 
 
 def _logits(ref: torch.nn.Module, ids: list[int]) -> torch.Tensor:

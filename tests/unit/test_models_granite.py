@@ -24,8 +24,8 @@ from tests.helpers import (
     assert_greedy_equals_hf_generate,
     assert_tp2_equals_tp1,
     engine_prompt_logits,
+    random_hf_models,
     random_prompts,
-    save_random_hf_model,
 )
 
 COMMON = dict(
@@ -74,11 +74,7 @@ def _configs() -> dict:
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
-    out = {}
-    for name, cfg in _configs().items():
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, save_random_hf_model(cfg, folder))
-    return out
+    return random_hf_models(_configs(), tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", list(_configs()))

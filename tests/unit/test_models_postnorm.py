@@ -22,6 +22,7 @@ from tests.helpers import (
     assert_logits_match_hf,
     assert_tp2_equals_tp1,
     engine_prompt_logits,
+    random_hf_models,
     random_prompts,
     save_random_hf_model,
 )
@@ -57,11 +58,7 @@ NAMES = list(_configs())
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory) -> dict:
-    out = {}
-    for name, cfg in _configs().items():
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, save_random_hf_model(cfg, folder))
-    return out
+    return random_hf_models(_configs(), tmp_path_factory)
 
 
 def test_configs_mix_window_kinds():

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from swaserve import Engine, SamplingParams
-from tests.helpers import engine_prompt_logits, save_random_hf_model
+from tests.helpers import engine_prompt_logits, random_hf_models
 
 COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -65,11 +65,7 @@ def _configs() -> dict:
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
-    out = {}
-    for name, cfg in _configs().items():
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, save_random_hf_model(cfg, folder))
-    return out
+    return random_hf_models(_configs(), tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", list(_configs()))
