@@ -28,6 +28,17 @@ starts with the first of them (round robin over the decoding requests: none wait
 a few steps). The cap holds for the decodes of a mixed step too; prefill chunks (admissions
 included) are not capped, and a step with one takes the variable-size path.
 
+Prefill beside decodes under KV pressure (`kv_bound_step_tokens` R, Sarathi-Serve's
+stall-free batching, applied only where it pays): when the pool holds fewer than R requests
+like the next waiting one (at its prompt plus expected output, `settled_pages`), requests are
+queued for room, and some running requests decode, a step carries at most max(page, R -
+decode tokens) prefill tokens. Such a pool decodes a small batch, whose steps are bound by
+reading the weights: a few hundred prefill tokens ride along for little more than the GEMMs'
+compute (a graphed mixed step: engine/mixed_graph.py), where an uncapped scheduler runs the
+batch in waves (prefill steps of thousands of tokens while nothing decodes, then a long
+decode phase at the batch the pool allows). A pool that holds hundreds of requests is never
+capped: its decodes already fill the GEMMs, and a cap would slow the ramp to that batch.
+
 A hit on pages offloaded to host or disk is admitted (pages allocated, loads queued) but held
 out of the forward while `cache.loads_pending` (on CUDA the loads land on a side stream while
 other requests compute): a held running request is skipped (no budget used; it keeps its
@@ -88,6 +99,7 @@ class Scheduler:
         cache: RadixCache | None = None,
         conservativeness: float = 1.0,
         policy: str = "fcfs",
+        kv_bound_step_tokens: int = 0,
     ) -> None:
         self.memory = memory
         # "priority": the queues ordered by (priority, arrival) (module docstring)
@@ -98,6 +110,8 @@ class Scheduler:
         # Scales the decode-growth reserve: 0 reserves only each request's next page (admit
         # eagerly, preempt when short), 1 the estimate above (--schedule-conservativeness).
         self.conservativeness = conservativeness
+        # R of the prefill cap under KV pressure (module docstring); 0: never capped
+        self.kv_bound_step_tokens = kv_bound_step_tokens
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -165,6 +179,7 @@ class Scheduler:
         held = False  # a request waits for its prefix's loads
         waiting_for = 0  # pages the seeded verifies that wait for room lack (kept free below)
         decoding = self._decode_picks()
+        prefill_left = self._prefill_allowance()  # None: no cap
         # Asked per request only while some hit's loads are pending (none: most steps)
         loads = self.cache is not None and self.cache.has_pending_loads()
         for req in list(self.running):
@@ -184,6 +199,11 @@ class Scheduler:
                 continue  # past the decode cap: the next step
             end = self._chunk_end(req) if self.speculative else req.num_tokens_with_drafts
             n = min(end - req.num_computed_tokens, budget)
+            prefilling = prefill_left is not None and not _decoding(req)
+            if prefilling:
+                n = min(n, prefill_left)
+                if n <= 0:
+                    continue
             # A verify chunk [last, drafts] cut short verifies fewer drafts, which changes a
             # seeded request's draws: such a request waits for a step with room instead (its
             # draft count is capped below the token budget, so it never waits forever).
@@ -225,6 +245,8 @@ class Scheduler:
                     del req.draft_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens) :]
                 batch.add(req, n)
                 budget -= n
+                if prefilling:
+                    prefill_left -= n
         if batch:
             self.new_token_ratio = max(
                 MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
@@ -235,8 +257,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if reserve is None:
                 reserve = self._growth_reserve(batch) + waiting_for
+            room = budget if prefill_left is None else min(budget, prefill_left)
+            if room <= 0:
+                break
             req = self.waiting[0]
-            n = self._admit(req, budget, reserve)
+            n = self._admit(req, room, reserve)
             if n is None:
                 if not self.running:
                     # The pool is empty and still cannot take one chunk: it never will.
@@ -253,6 +278,8 @@ class Scheduler:
             if n:  # 0: resumed one token short of its end (_chunk_end); it verifies next step
                 batch.add(req, n)
                 budget -= n
+                if prefill_left is not None:
+                    prefill_left -= n
         if held and not batch:
             self.cache.wait_loads()  # nothing to overlap them with: no busy polling
         return batch
@@ -279,6 +306,25 @@ class Scheduler:
             picks.add(id(req))
             used += n
         return picks
+
+    def _prefill_allowance(self) -> int | None:
+        """The prefill tokens this step may carry under KV pressure (module docstring), or
+        None: no cap (off, nothing queued, nothing decoding, or a pool roomy enough)."""
+        target = self.kv_bound_step_tokens
+        if not target or not self.waiting:
+            return None
+        head = self.waiting[0]
+        pages = self.memory.settled_pages(head.num_tokens + self.expected_new_tokens(head))
+        if self.memory.pool.capacity >= target * max(1, pages):
+            return None  # the pool holds >= R such requests: its decodes fill the GEMMs
+        decodes = sum(
+            r.num_tokens_with_drafts - r.num_computed_tokens
+            for r in self.running
+            if r.status is RequestStatus.RUNNING and _decoding(r)
+        )
+        if not decodes:
+            return None  # nothing to ride along with: big chunks are the fastest prefill
+        return max(self.memory.page_size, target - decodes)
 
     def _loading(self, req: Request) -> bool:
         """The request's cached prefix is still being loaded: not in this step's forward."""

@@ -157,11 +157,7 @@ class MemoryManager:
         seeded sampling request's cannot shrink): an SWA group then holds the window behind
         the chunk's first position and the chunk, ceil((w - 1 + K) / page_size) + 1 pages."""
         budget = self.pool.capacity - self.watermark_pages
-        caps = [
-            None if g.window is None
-            else _ceil_div(g.window - 1 + verify_drafts, self.page_size) + 1
-            for g in self.layout.groups
-        ]
+        caps = self._settled_caps(verify_drafts)
 
         def pages(slots: int) -> int:
             return sum(slots if c is None else min(slots, c) for c in caps)
@@ -180,6 +176,21 @@ class MemoryManager:
             else:
                 hi = mid - 1
         return lo * self.page_size
+
+    def _settled_caps(self, verify_drafts: int = 0) -> list[int | None]:
+        """Per group, the most pages a request's table holds once its out-of-window pages
+        retire (None: a full group, one page per slot); see `max_request_tokens`."""
+        return [
+            None if g.window is None
+            else _ceil_div(g.window - 1 + verify_drafts, self.page_size) + 1
+            for g in self.layout.groups
+        ]
+
+    def settled_pages(self, num_tokens: int) -> int:
+        """Pages, summed over groups, that a request of `num_tokens` tokens holds in the
+        pool: one per page of tokens in a full group, at most a window's worth in an SWA group."""
+        slots = _ceil_div(num_tokens, self.page_size)
+        return sum(slots if c is None else min(slots, c) for c in self._settled_caps())
 
     def pages_needed(self, request: RequestLike, num_new_tokens: int) -> int:
         """New pages, summed over groups, to compute tokens [c, c + num_new_tokens).
