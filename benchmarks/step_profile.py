@@ -8,7 +8,8 @@ Each engine step is timed by phase on the host (schedule, page moves, launch = b
 and on the device (CUDA events around the launched work). Steps are split by kind: decode
 steps through a decode CUDA graph, and the others (prefill chunks, mixed batches, decode
 batches above the decode graphs' buckets: piecewise graphs up to their token limit, else
-eager). The GPU's busy share is its event time over the wall time.
+eager); "graph mixed" steps replay a mixed graph (engine/mixed_graph.py). The GPU's busy
+share is its event time over the wall time.
 
 Prints a table last; JSON to $OUT/step_profile.json.
 Usage: PYTHONPATH=. python benchmarks/step_profile.py [--num-prompts 1000] [--max-steps N]
@@ -141,6 +142,15 @@ def main() -> None:
         return out
 
     core.runner.decode_logits = decode_probe
+    mixed_logits = core.runner.mixed_logits
+    mixed_hit = [False]
+
+    def mixed_probe(*a, **k):
+        out = mixed_logits(*a, **k)
+        mixed_hit[0] = out is not None
+        return out
+
+    core.runner.mixed_logits = mixed_probe
     launch = core._launch
     events = []  # (kind, start event, end event)
 
@@ -152,7 +162,8 @@ def main() -> None:
         out = launch(batch)
         end.record()
         host["launch"] += time.perf_counter() - t
-        kind = "graph decode" if graph_hit[0] else "mixed/prefill/big"
+        kind = ("graph decode" if graph_hit[0] else "graph mixed" if mixed_hit[0]
+                else "mixed/prefill/big")  # fmt: skip
         events.append((kind, start, end))
         tokens = sum(batch.num_new_tokens)
         stats[kind]["tokens"] += tokens
@@ -164,7 +175,7 @@ def main() -> None:
     wall0 = time.perf_counter() if args.warmup_steps <= 0 else None  # 0: count every step
     while core.has_unfinished():
         host.clear()
-        graph_hit[0] = False
+        graph_hit[0] = mixed_hit[0] = False
         n_events = len(events)
         t = time.perf_counter()
         outs = core.step()

@@ -16,6 +16,9 @@ import torch
 BIG_GPU_BYTES = 70 * 2**30  # vLLM's line for its larger defaults (H100/H200 class)
 GRAPH_MAX_BS = 128  # --cuda-graph-max-bs by default, and the cap of verify graphs
 GRAPH_MAX_BS_BIG = 512  # --cuda-graph-max-bs by default on a big GPU
+# --kv-bound-step-tokens on CUDA: about the rows where a bf16 GEMM turns from reading its
+# weights to computing (an H200's ~760 TFLOP/s over ~4.2 TB/s of weight bytes: ~180 rows)
+KV_BOUND_STEP_TOKENS = 192
 
 
 @dataclass
@@ -56,12 +59,18 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     # Piecewise graphs (all but attention) for the other steps; None: min(budget, 2048).
     piecewise_cuda_graph_max_tokens: int | None = None  # CUDA only; 0 disables
+    # Whole graphs, attention included, for steps mixing decodes and prefill chunks of up to
+    # this many tokens (engine/mixed_graph.py); None: min(budget, 256). CUDA only; 0 disables
+    mixed_cuda_graph_max_tokens: int | None = None
     chat_template: str | None = None
     seed: int = 0
     max_queue: int = 1024
     # Admission's reserve for running requests' decode growth (engine/scheduler.py): 0 admits
     # eagerly and preempts when short, 1 keeps their expected output's pages free.
     schedule_conservativeness: float = 1.0
+    # Under KV pressure, steps with decodes carry prefill up to this many tokens in all
+    # (engine/scheduler.py); None: by device (`with_device_defaults`): 192 on CUDA, else 0 (off)
+    kv_bound_step_tokens: int | None = None
     # fcfs | priority: requests' `priority` orders admission and preemption
     # (engine/scheduler.py), as vLLM's --scheduling-policy
     scheduling_policy: str = "fcfs"
@@ -143,6 +152,10 @@ class EngineConfig:
             self.piecewise_cuda_graph_max_tokens < 0
         ):
             raise bad("piecewise_cuda_graph_max_tokens", "must be >= 0")
+        if self.mixed_cuda_graph_max_tokens is not None and self.mixed_cuda_graph_max_tokens < 0:
+            raise bad("mixed_cuda_graph_max_tokens", "must be >= 0")
+        if self.kv_bound_step_tokens is not None and self.kv_bound_step_tokens < 0:
+            raise bad("kv_bound_step_tokens", "must be >= 0 (0: no cap)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
         cap = self.moe_decode_max_tokens_per_rank
@@ -316,11 +329,15 @@ class EngineConfig:
         # launched from Python per layer): 10,259 -> 11,094 output tok/s offline on an H200
         # with graphs to 512 instead of 128 (benchmarks/RESULTS.md, 2026-12-02).
         graphs = min(seqs, GRAPH_MAX_BS_BIG) if big else GRAPH_MAX_BS
+        kv_bound = self.kv_bound_step_tokens
+        if kv_bound is None:
+            kv_bound = KV_BOUND_STEP_TOKENS if device.type == "cuda" else 0
         return dataclasses.replace(
             self,
             max_num_seqs=seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or tokens,
             cuda_graph_max_bs=graphs if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs,
+            kv_bound_step_tokens=kv_bound,
         )
 
     def torch_device(self) -> torch.device:
@@ -452,6 +469,13 @@ FLAGS: dict[str, FlagInfo] = {
         "share of running requests' expected output kept free at admission: 0 admits eagerly "
         "and preempts (recompute) when short, 1 avoids most preemptions",
     ),
+    "kv_bound_step_tokens": FlagInfo(
+        "scheduling",
+        "when the KV pool holds fewer requests than this and more wait, a step with decodes "
+        "carries prefill chunks up to this many tokens in all (stall-free batching: the small "
+        "decode batch reads the weights anyway); 0: off",
+        default="192 on CUDA, else 0",
+    ),
     "scheduling_policy": FlagInfo(
         "scheduling",
         "fcfs: first come, first served; priority: requests' priority (lower first), then "
@@ -481,6 +505,12 @@ FLAGS: dict[str, FlagInfo] = {
         "GPU",
         "largest step (tokens) run as piecewise CUDA graphs (all but attention); 0: eager",
         default="min(--max-num-batched-tokens, 2048)",
+    ),
+    "mixed_cuda_graph_max_tokens": FlagInfo(
+        "GPU",
+        "largest step (tokens) mixing decodes and prefill chunks run as one CUDA graph, "
+        "attention included; 0: none (piecewise graphs take those steps)",
+        default="min(--max-num-batched-tokens, 256)",
     ),
     "disable_fused_ops": FlagInfo(
         "GPU", "eager torch RMSNorm, rotary and activations instead of the Triton kernels; "

@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 DRAFT_GRAPH_MAX_BS = 64
 _PROMPT_LOGPROB_ROWS = 256  # rows of [rows, vocab] logits computed at a time
 PIECEWISE_DEFAULT_MAX_TOKENS = 2048  # see EngineCore._piecewise_max_tokens
+MIXED_DEFAULT_MAX_TOKENS = 256  # see engine/mixed_graph.py
+# Mixed graphs up to this many requests: a step of more runs piecewise (each of its requests
+# adds attention programs to every launch of the graph, padding ones included)
+MIXED_GRAPH_MAX_SEQS = 64
 
 
 @dataclass
@@ -249,6 +253,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache,
             config.schedule_conservativeness, config.scheduling_policy,
+            config.kv_bound_step_tokens or 0,
         )
         if self.parallel is None:
             self.runner = ModelRunner(self.model, self.kv, backend, self.device)
@@ -456,6 +461,17 @@ class EngineCore:
         )
         graphs.capture()
         self.runner.graphs = graphs
+        mixed_tokens = self._mixed_max_tokens()
+        if mixed_tokens:
+            from swaserve.engine.mixed_graph import MixedGraphs
+
+            mixed = MixedGraphs(
+                self.model, backend, self.kv, mixed_tokens,
+                min(self.config.max_num_seqs, MIXED_GRAPH_MAX_SEQS), self.max_model_len,
+                shape,
+            )  # fmt: skip
+            mixed.capture()
+            self.runner.mixed = mixed
         max_tokens = self._piecewise_max_tokens()
         if max_tokens:
             from swaserve.engine.piecewise_graph import PiecewiseGraphs
@@ -502,6 +518,18 @@ class EngineCore:
         if c.piecewise_cuda_graph_max_tokens is not None:
             return min(c.max_num_batched_tokens, c.piecewise_cuda_graph_max_tokens)
         return min(c.max_num_batched_tokens, PIECEWISE_DEFAULT_MAX_TOKENS)
+
+    def _mixed_max_tokens(self) -> int:
+        """Tokens of the largest step run as a mixed CUDA graph (0: none): where piecewise
+        graphs may run (the same conditions), at most the token budget."""
+        c = self.config
+        if (self.device.type != "cuda" or c.cuda_graph_max_bs == 0 or c.tensor_parallel_size > 1
+                or self.ep is not None):
+            return 0
+        limit = c.mixed_cuda_graph_max_tokens
+        if limit is None:
+            limit = MIXED_DEFAULT_MAX_TOKENS
+        return min(c.max_num_batched_tokens, limit)
 
     def _kv_bytes(self, backend: Any, kv_shape: tuple[int, int], kv_dtype: torch.dtype) -> float:
         return kv_budget_bytes(
@@ -680,6 +708,10 @@ class EngineCore:
         logits = self.runner.decode_logits(batch, self.memory, fill)
         if logits is None and self.spec is not None:
             logits = self.runner.verify_logits(batch, self.memory, fill)
+        if logits is None and not verifying and not screened and not any(
+            r.params.prompt_logprobs is not None for r in batch.requests
+        ):
+            logits = self.runner.mixed_logits(batch, self.memory, rows, fill)
         if logits is None:
             fb = self.runner.prepare(batch, self.memory, fill)
             hidden = self.runner.forward(fb)

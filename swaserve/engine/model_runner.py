@@ -25,6 +25,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once captured (swaserve/engine/cuda_graph.py)
         self.verify_graphs = None  # the same, K + 1 tokens per request (speculative decoding)
         self.piecewise = None  # PiecewiseGraphs (engine/piecewise_graph.py): the other steps
+        self.mixed = None  # MixedGraphs (engine/mixed_graph.py): small steps with prefill chunks
         # Layers whose outputs a step also returns (DFlash's target_layer_ids, in order), and
         # those outputs of the last step, concatenated: [its tokens, len(keep) * hidden].
         self.keep: tuple[int, ...] = ()
@@ -85,6 +86,32 @@ class ModelRunner:
         if all(n == g.q for n in ns):
             return logits.view(-1, logits.shape[-1])
         return torch.cat([logits[i, :n] for i, n in enumerate(ns)])
+
+    def mixed_logits(
+        self,
+        batch: ScheduledBatch,
+        memory: MemoryManager,
+        rows: list[int],
+        fill: DeviceTokens | None = None,
+    ) -> torch.Tensor | None:
+        """Logits of the packed `rows` of a step of at most the mixed graphs' tokens and
+        requests, through one captured graph ([len(rows), vocab], possibly no rows), or None
+        when the step does not qualify (no mixed graphs, too big, kept layer outputs). The
+        caller keeps out steps that need other rows' hidden states or verify drafts."""
+        g = self.mixed
+        if g is None or self.keep:
+            return None
+        ns = batch.num_new_tokens
+        if g.bucket(sum(ns), len(ns)) is None:
+            return None
+        ids: list[int] = []
+        ctx: list[int] = []
+        for req, n in zip(batch.requests, ns):
+            c = req.num_computed_tokens
+            ids += req.tokens(c, c + n)
+            ctx.append(c)
+        tables = memory.table_arrays([r.request_id for r in batch.requests])
+        return g.run(list(ns), ctx, ids, tables, rows, fill)
 
     def prepare(
         self, batch: ScheduledBatch, memory: MemoryManager, fill: DeviceTokens | None = None

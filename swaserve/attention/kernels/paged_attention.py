@@ -983,8 +983,8 @@ def paged_attention(
     same values either way) only in a launch of chunks whose new tokens are at least half of
     the longest request's keys (`fresh_pays`); a decode token reads the cache only.
     `min_query_len` (host int, optional): the batch's shortest query run; with a default
-    `config` and `num_splits`, a batch mixing decode-sized and longer runs takes two launches,
-    each with its own tiles.
+    `config`, a batch mixing decode-sized and longer runs takes two launches, each with its own
+    tiles (an explicit `num_splits` is then the decode launch's: a mixed CUDA graph's).
     `split_cap` (optional, `[1]` int32 on the device): with `num_splits` > 1, each query block
     takes at most this many of the grid's splits (its value may change between CUDA graph
     replays; the grid's count is the capture's maximum); None: every split of the grid.
@@ -1016,7 +1016,7 @@ def paged_attention(
     # benchmarks/attention_tuning.py: +5-17% on prefill chunks with little or no cached prefix,
     # -11% for a 2k chunk over a 6k prefix, slower decode-tile launches)
     fresh_pays = fresh_new and (fp8 or max_seq_len <= 2 * max_query_len)
-    if config is None and num_splits is None and min_query_len is not None:
+    if config is None and min_query_len is not None:
         # A mixed batch (decodes beside a prefill chunk): one launch would give every decode a
         # prefill-sized tile (up to 128 rows for its G real ones) and 8 warps. The requests of
         # one decode tile's query block (q_len <= its BLOCK_Q) get their own launch with the
@@ -1026,7 +1026,8 @@ def paged_attention(
         if min_query_len <= small.block_q < max_query_len:
             # Order matters: the decode launch's split merge writes every row of `out`, and
             # the prefill launch, after it on the stream, rewrites its own requests' rows.
-            launch(small, None, (1, small.block_q), small.block_q, fresh_new=fresh_new and fp8)
+            launch(small, num_splits, (1, small.block_q), small.block_q,
+                   fresh_new=fresh_new and fp8)
             big = attention_config(d, group, max_query_len, k_cache.dtype)
             launch(big, 1, (small.block_q + 1, ANY_Q_LEN), max_query_len, fresh_new=fresh_pays)
             return out
