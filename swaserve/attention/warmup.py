@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 # variants realistic steps need is tested (tests/kernels/test_attention_warmup.py).
 WARM_STEPS: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
     ((256,), (0,)),  # a prompt chunk alone: the prefill tile, its own K/V read fresh
-    ((1, 256), (4095, 0)),  # beside a decode: the chunk's keys from the cache, the decode split
+    ((1, 256), (4095, 0)),  # beside a decode: the chunk's keys from the cache, both split
+    ((1, 256), (1023, 0)),  # beside a decode over fewer keys: the chunk unsplit
     ((1,) * 64 + (256,), (300,) * 64 + (0,)),  # beside many decodes: the decode tile unsplit
     ((1,), (4095,)),  # eager decode steps (above the graphs' batch sizes, or no graphs)
     ((1,) * 64, (300,) * 64),

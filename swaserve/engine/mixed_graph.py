@@ -17,12 +17,14 @@ every replay overwrites it in place:
     slots (b, S)      empty requests (q_len 0): their attention programs return at once
 
 Attention runs as in an eager mixed step: `paged_attention` with `min_query_len` 1 takes a
-decode-tile launch for requests of at most its BLOCK_Q tokens and a prefill-tile launch for
-the longer ones (each launch's programs of the other kind return at once). The decode launch
-splits keys as the decode graphs do (`SplitRule`: the grid holds the most splits any batch of
-1..S - 1 requests wants, `split_cap` what this one wants), bounded so that the partials of T
-rows stay within MAX_SPLIT_BYTES. Prefill chunks read their keys from the cache (the eager
-path reads a bf16 chunk's own keys from its rows where that is faster: the same values).
+decode-tile launch for requests of at most its BLOCK_Q tokens (one program row per request
+slot) and a prefill-tile launch for the longer ones, whose few query blocks split the keys of a
+long context (`chunk_num_splits`); each launch's programs of the other kind return at once.
+The decode launch splits keys as the decode graphs do (`SplitRule`: the grid holds the most
+splits any batch of 1..S - 1 requests wants, at most DECODE_SPLITS; `split_cap` what this one
+wants), bounded so that the partials of T rows stay within MAX_SPLIT_BYTES. Prefill chunks
+read their keys from the cache (the eager path reads a bf16 chunk's own keys from its rows
+where that is faster: the same values).
 
 Logits: only of the rows the step samples (`rows`, up to S, in the caller's order), gathered
 inside the graph through a static index, so a bucket's logits are `[S, vocab]`, not
@@ -50,6 +52,13 @@ from swaserve.engine.forward_batch import DeviceTokens, ForwardBatch
 from swaserve.memory.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
+
+# The decode launch's key splits at most: its grid holds a row for every request slot (S of
+# them) whatever the step's real count, and with the 64 splits a lone decode over a long
+# context wants, the programs that return at once would outnumber the real ones ~30 to 1 (a
+# mixed step's decodes are few and its chunk dominates; 8 splits keep a long context's walk
+# at an eighth of its keys).
+DECODE_SPLITS = 8
 
 
 def mixed_buckets(max_tokens: int) -> list[int]:
@@ -102,7 +111,7 @@ class MixedGraphs:
         # per bucket, per group: the decode launch's grid splits, its partials bounded
         self.splits: dict[int, list[int]] = {}
         for t in self.buckets:
-            grid = self.want.grid(range(1, self.seqs(t)))
+            grid = [min(n, DECODE_SPLITS) for n in self.want.grid(range(1, self.seqs(t)))]
             for g, (_, d) in enumerate(shapes):
                 row = t * h * max(16, 1 << (d - 1).bit_length()) * 4
                 while grid[g] > 1 and grid[g] * row > MAX_SPLIT_BYTES:

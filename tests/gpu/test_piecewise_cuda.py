@@ -49,7 +49,8 @@ def _prompts() -> list[list[int]]:
 
 def _run(folder: str, pieces: int, **kw) -> tuple[list, int]:
     e = Engine(model=folder, kv_cache_gb=0.05, page_size=16, max_num_batched_tokens=96,
-               cuda_graph_max_bs=4, piecewise_cuda_graph_max_tokens=pieces, **kw)
+               cuda_graph_max_bs=4, piecewise_cuda_graph_max_tokens=pieces,
+               mixed_cuda_graph_max_tokens=0, **kw)
     pw = e.core.runner.piecewise
     assert (pw is not None) == (pieces > 0)
     replays = []

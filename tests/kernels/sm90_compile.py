@@ -4,7 +4,7 @@ interpreter `triton.jit` gives functions that cannot be compiled); prints one JS
 case: {"case": ..., "ok": bool, "error": str}.
 
 Each case is (name, q dtype, kv dtype, head_dim, group, max_query_len, window, softcap, sinks,
-num_splits, fresh_new[, pdl[, merge_last]]); the constexprs come from `kernel_constexprs`, as in
+num_splits, fresh_new[, pdl[, merge_last[, one_block]]]); the constexprs come from `kernel_constexprs`, as in
 a launch, with pointers and strides marked 16-divisible as Triton specialises them at launch. A
 case with `pdl` (swaserve/ops/pdl.py) must also show the PDL instructions in its PTX. Split cases
 merge in the kernel (`merge_last`, SWASERVE_ATTN_MERGE=1; default on here, with splits, so that
@@ -61,6 +61,12 @@ CASES = [
     ("prefill fp8 fresh D512 G8", torch.bfloat16, "fp8", 512, 8, 1000, 0, 0.0, False, 1, True),
     ("mixed-decode fp8 fresh D512 G8", torch.bfloat16, "fp8", 512, 8, 1, 0, 0.0, False, 1,
      True),
+    # a mixed CUDA graph's two launches: the decodes one program row per request (ONE_BLOCK),
+    # a short chunk over a long context splitting its keys
+    ("mixed-decode bf16 D128 G4 8 splits pdl one block", torch.bfloat16, torch.bfloat16, 128,
+     4, 1, 0, 0.0, False, 8, False, True, False, True),
+    ("mixed-chunk bf16 D128 G2 4 splits pdl", torch.bfloat16, torch.bfloat16, 128, 2, 192, 0,
+     0.0, False, 4, False, True, False),
     ("prefill bf16 fresh D256 G2 window", torch.bfloat16, torch.bfloat16, 256, 2, 1000, 1024,
      0.0, False, 1, True),
 ]
@@ -84,12 +90,13 @@ def compile_case(case: tuple) -> None:
     _, q_dtype, kv, d, group, qlen, window, softcap, sinks, splits, fresh = case[:11]
     pdl = len(case) > 11 and case[11]
     merge = case[12] if len(case) > 12 else splits > 1
+    one_block = len(case) > 13 and case[13]
     kv_dtype = pa.FP8 if kv == "fp8" else kv
     cfg = pa.attention_config(d, group, qlen, kv_dtype)
     consts = pa.kernel_constexprs(
         q_dtype, kv_dtype, d, group, 16, cfg, window=window, softcap=softcap, use_sinks=sinks,
         num_splits=splits, fresh_new=fresh, interpret=False, fp8_cvt=True, pdl=pdl,
-        merge_last=merge,
+        merge_last=merge, one_block=one_block,
     )
     tq = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[q_dtype]
     tkv = "fp8e4nv" if kv == "fp8" else tq

@@ -384,6 +384,8 @@ def test_triton_split_cap(cap, window, use_sinks, monkeypatch):
         ([1, 40, 1], [700, 5, 560], 300, False, False),  # windowed
         ([1, 1, 24], [600, 650, 100], 0, False, "fp8"),  # fp8, the chunk reads its own K/V
         ([1, 40, 1], [30, 0, 35], 0, True, "bf16"),  # bf16: the chunk's launch reads it fresh
+        ([1, 40, 1], [2100, 2500, 300], 0, True, False),  # a chunk over a long context: split
+        ([1, 30, 2], [2100, 2200, 3], 0, False, "fp8"),  # split, fresh fp8 chunk
     ],
 )
 def test_triton_mixed_batch_two_launches(qlens, ctxs, window, use_sinks, fresh, monkeypatch):
@@ -404,6 +406,8 @@ def test_triton_mixed_batch_two_launches(qlens, ctxs, window, use_sinks, fresh, 
     two = case.run(scale=0.2, sinks=sinks)
     assert [q for _, _, q in launches] == [(1, 4), (5, pa.ANY_Q_LEN)], launches
     assert launches[0][0] == 16 and launches[1][0] > 16
+    # the chunk's launch splits its keys where its few blocks see a long context
+    assert (launches[1][1] > 1) == (max(c + q for c, q in zip(ctxs, qlens)) > 2048), launches
     one = case.run(scale=0.2, sinks=sinks, min_query_len=None)
     assert len(launches) == 3
     ref = case.reference(0.2, sinks=sinks)

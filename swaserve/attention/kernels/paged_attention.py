@@ -608,16 +608,25 @@ def _paged_attn_kernel(
     FRESH_NEW: tl.constexpr,
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with PDL (swaserve/ops/pdl.py)
+    # one program row per request (grid dimension 0 = num_seqs): a launch whose requests have
+    # at most BLOCK_Q new tokens (the decode launch of a mixed batch); longer ones return
+    ONE_BLOCK: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     pdl_wait(USE_PDL)  # q and this layer's new keys come from the kernel before
 
-    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    if ONE_BLOCK:
+        seq = pid
+    else:
+        seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    q_block = pid - (q_start // BLOCK_Q + seq)
+    if ONE_BLOCK:
+        q_block = 0
+    else:
+        q_block = pid - (q_start // BLOCK_Q + seq)
     if (q_block * BLOCK_Q >= q_len) | (q_len < min_q_len) | (q_len > max_q_len):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -896,11 +905,13 @@ def kernel_constexprs(
     fp8_cvt: bool,
     pdl: bool = False,
     merge_last: bool = False,
+    one_block: bool = False,
 ) -> dict:
     """The compile-time parameters of one `_paged_attn_kernel` launch (also what the sm_90a
     compile test builds kernels from, on a machine without a GPU). `fp8_cvt`: the device has
     the packed e4m3 -> f16 conversion (sm_89+); `pdl`: launched with PDL (swaserve/ops/pdl.py);
-    `merge_last`: with splits, the last split of each block merges them (`merge_counters`)."""
+    `merge_last`: with splits, the last split of each block merges them (`merge_counters`);
+    `one_block`: one program row per request (the decode launch of a mixed batch)."""
     # tl.dot needs K >= 16 when compiled for a GPU (the interpreter takes any size): heads
     # narrower than 16 (tiny test drafters) are padded and masked like any other padding.
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -939,7 +950,27 @@ def kernel_constexprs(
         FRESH_NEW=fresh_new,
         INTERPRET=interpret,
         USE_PDL=pdl,
+        ONE_BLOCK=one_block,
     )
+
+
+def chunk_num_splits(
+    max_query_len: int, max_kv_len: int, block_q: int, num_kv_heads: int, num_sms: int
+) -> int:
+    """Key splits of the prefill-tile launch of a mixed batch: a chunk of a few query blocks
+    over a long context (a KV-bound step: ~185 tokens beside the decodes, over 16k keys) is a
+    few dozen programs walking every key one after the other. Split while the programs fill
+    fewer than two slots per SM, into splits of at least BALANCE_SPLIT_KEYS keys; long chunks
+    (many blocks) are not split."""
+    programs = triton.cdiv(max(1, max_query_len), block_q) * num_kv_heads
+    splits = 1
+    while (
+        splits < MAX_SPLITS
+        and programs * splits <= num_sms
+        and max_kv_len // (2 * splits) >= BALANCE_SPLIT_KEYS
+    ):
+        splits *= 2
+    return splits
 
 
 def paged_attention(
@@ -1025,11 +1056,16 @@ def paged_attention(
         small = attention_config(d, group, 1, k_cache.dtype)
         if min_query_len <= small.block_q < max_query_len:
             # Order matters: the decode launch's split merge writes every row of `out`, and
-            # the prefill launch, after it on the stream, rewrites its own requests' rows.
+            # the prefill launch, after it on the stream, rewrites its own requests' rows (its
+            # own merge, when it splits, skips the decode rows: zeroed split counts).
             launch(small, num_splits, (1, small.block_q), small.block_q,
-                   fresh_new=fresh_new and fp8)
+                   fresh_new=fresh_new and fp8, one_block=True)
             big = attention_config(d, group, max_query_len, k_cache.dtype)
-            launch(big, 1, (small.block_q + 1, ANY_Q_LEN), max_query_len, fresh_new=fresh_pays)
+            # a query block's keys: a window bounds them (splits divide one block's keys)
+            max_kv = max_seq_len if window <= 0 else min(max_seq_len, window + big.block_q - 1)
+            chunk = chunk_num_splits(max_query_len, max_kv, big.block_q, hkv, _num_sms(q.device))
+            launch(big, chunk, (small.block_q + 1, ANY_Q_LEN), max_query_len,
+                   fresh_new=fresh_pays, own_rows=True)
             return out
     cfg = config or attention_config(d, group, max_query_len, k_cache.dtype)
     launch(cfg, num_splits, (0, ANY_Q_LEN), max_query_len, fresh_new=fresh_pays)
@@ -1060,10 +1096,14 @@ def _launch(
     v_new: torch.Tensor,
     fresh_new: bool,
     split_cap: torch.Tensor | None,
+    one_block: bool = False,
+    own_rows: bool = False,
 ) -> None:
     """One `_paged_attn_kernel` launch (and its split merge) over the requests whose new
     tokens number q_lens[0] to q_lens[1], writing their rows of `out`; `max_query_len` is the
-    most of them (it bounds the keys a query block sees, for the splits)."""
+    most of them (it bounds the keys a query block sees, for the splits). `one_block`: every
+    such request is one query block (grid rows = requests); `own_rows`: a split merge touches
+    only the rows this launch owns (the others' split counts zeroed)."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -1081,13 +1121,13 @@ def _launch(
             num_splits //= 2
     num_splits = triton.next_power_of_2(max(1, num_splits))
     pdl = pdl_enabled(q.device)
-    grid = (t // cfg.block_q + num_seqs, hkv, num_splits)
+    grid = (num_seqs if one_block else t // cfg.block_q + num_seqs, hkv, num_splits)
     counters = merge_counters(q.device, grid[0] * grid[1]) if num_splits > 1 else None
     consts = kernel_constexprs(
         q.dtype, k_cache.dtype, d, group, k_cache.shape[1], cfg, window=window,
         softcap=softcap, use_sinks=sinks is not None, num_splits=num_splits,
         fresh_new=fresh_new, interpret=_interpreting(), fp8_cvt=_has_fp8_cvt(q.device), pdl=pdl,
-        merge_last=counters is not None,
+        merge_last=counters is not None, one_block=one_block,
     )
     d_pad = consts["D_PAD"]
     qk_scale = scale * k_scale
@@ -1096,8 +1136,9 @@ def _launch(
     if num_splits > 1:
         part_acc = torch.empty((t, h, num_splits, d_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((t, h, num_splits, 2), dtype=torch.float32, device=q.device)
-        part_n = out if counters is not None else torch.empty((t, h), dtype=torch.int32,
-                                                              device=q.device)  # fmt: skip
+        alloc = torch.zeros if own_rows else torch.empty
+        part_n = out if counters is not None else alloc((t, h), dtype=torch.int32,
+                                                        device=q.device)  # fmt: skip
     else:
         part_acc = part_ml = part_n = out  # unused
     _run(
