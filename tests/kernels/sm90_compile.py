@@ -4,12 +4,12 @@ interpreter `triton.jit` gives functions that cannot be compiled); prints one JS
 case: {"case": ..., "ok": bool, "error": str}.
 
 Each case is (name, q dtype, kv dtype, head_dim, group, max_query_len, window, softcap, sinks,
-num_splits, fresh_new[, pdl[, merge_last[, one_block]]]); the constexprs come from `kernel_constexprs`, as in
-a launch, with pointers and strides marked 16-divisible as Triton specialises them at launch. A
-case with `pdl` (swaserve/ops/pdl.py) must also show the PDL instructions in its PTX. Split cases
-merge in the kernel (`merge_last`, SWASERVE_ATTN_MERGE=1; default on here, with splits, so that
-the opt-in variant stays compiled): their PTX must hold the barrier and the gpu-scope acq_rel
-atomic the merge's ordering rests on.
+num_splits, fresh_new[, pdl[, merge_last[, one_block]]]); the constexprs come from
+`kernel_constexprs`, as in a launch, with pointers and strides marked 16-divisible as Triton
+specialises them at launch. A case with `pdl` (swaserve/ops/pdl.py) must also show the PDL
+instructions in its PTX. Split cases merge in the kernel (`merge_last`, SWASERVE_ATTN_MERGE=1;
+default on here, with splits, so that the opt-in variant stays compiled): their PTX must hold
+the barrier and the gpu-scope acq_rel atomic the merge's ordering rests on.
 """
 
 from __future__ import annotations
