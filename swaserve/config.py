@@ -16,9 +16,6 @@ import torch
 BIG_GPU_BYTES = 70 * 2**30  # vLLM's line for its larger defaults (H100/H200 class)
 GRAPH_MAX_BS = 128  # --cuda-graph-max-bs by default, and the cap of verify graphs
 GRAPH_MAX_BS_BIG = 512  # --cuda-graph-max-bs by default on a big GPU
-# --kv-bound-step-tokens on CUDA: about the rows where a bf16 GEMM turns from reading its
-# weights to computing (an H200's ~760 TFLOP/s over ~4.2 TB/s of weight bytes: ~180 rows)
-KV_BOUND_STEP_TOKENS = 192
 
 
 @dataclass
@@ -69,8 +66,10 @@ class EngineConfig:
     # eagerly and preempts when short, 1 keeps their expected output's pages free.
     schedule_conservativeness: float = 1.0
     # Under KV pressure, steps with decodes carry prefill up to this many tokens in all
-    # (engine/scheduler.py); None: by device (`with_device_defaults`): 192 on CUDA, else 0 (off)
-    kv_bound_step_tokens: int | None = None
+    # (engine/scheduler.py); 0: off. Opt-in: on an H100 it lost 7% on a Llama-8B run of 16k
+    # prompts (benchmarks/RESULTS.md, 2026-12-06); the Gemma runs it is meant for are not
+    # measured yet.
+    kv_bound_step_tokens: int = 0
     # fcfs | priority: requests' `priority` orders admission and preemption
     # (engine/scheduler.py), as vLLM's --scheduling-policy
     scheduling_policy: str = "fcfs"
@@ -154,7 +153,7 @@ class EngineConfig:
             raise bad("piecewise_cuda_graph_max_tokens", "must be >= 0")
         if self.mixed_cuda_graph_max_tokens is not None and self.mixed_cuda_graph_max_tokens < 0:
             raise bad("mixed_cuda_graph_max_tokens", "must be >= 0")
-        if self.kv_bound_step_tokens is not None and self.kv_bound_step_tokens < 0:
+        if self.kv_bound_step_tokens < 0:
             raise bad("kv_bound_step_tokens", "must be >= 0 (0: no cap)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
@@ -329,15 +328,11 @@ class EngineConfig:
         # launched from Python per layer): 10,259 -> 11,094 output tok/s offline on an H200
         # with graphs to 512 instead of 128 (benchmarks/RESULTS.md, 2026-12-02).
         graphs = min(seqs, GRAPH_MAX_BS_BIG) if big else GRAPH_MAX_BS
-        kv_bound = self.kv_bound_step_tokens
-        if kv_bound is None:
-            kv_bound = KV_BOUND_STEP_TOKENS if device.type == "cuda" else 0
         return dataclasses.replace(
             self,
             max_num_seqs=seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or tokens,
             cuda_graph_max_bs=graphs if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs,
-            kv_bound_step_tokens=kv_bound,
         )
 
     def torch_device(self) -> torch.device:
@@ -473,8 +468,8 @@ FLAGS: dict[str, FlagInfo] = {
         "scheduling",
         "when the KV pool holds fewer requests than this and more wait, a step with decodes "
         "carries prefill chunks up to this many tokens in all (stall-free batching: the small "
-        "decode batch reads the weights anyway); 0: off",
-        default="192 on CUDA, else 0",
+        "decode batch reads the weights anyway; ~192 is a bf16 GEMM's turn from reading to "
+        "computing on an H200); 0: off",
     ),
     "scheduling_policy": FlagInfo(
         "scheduling",

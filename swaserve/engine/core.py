@@ -253,7 +253,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache,
             config.schedule_conservativeness, config.scheduling_policy,
-            config.kv_bound_step_tokens or 0,
+            config.kv_bound_step_tokens,
         )
         if self.parallel is None:
             self.runner = ModelRunner(self.model, self.kv, backend, self.device)

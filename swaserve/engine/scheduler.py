@@ -38,6 +38,9 @@ compute (a graphed mixed step: engine/mixed_graph.py), where an uncapped schedul
 batch in waves (prefill steps of thousands of tokens while nothing decodes, then a long
 decode phase at the batch the pool allows). A pool that holds hundreds of requests is never
 capped: its decodes already fill the GEMMs, and a cap would slow the ramp to that batch.
+Opt-in (default 0): measured only where it loses, a Llama-8B run of 16k prompts on an H100
+(-7%: there a prompt token's attention over 16k keys is a third of its work, and small chunks
+run it less efficiently than big ones); see docs/architecture.md §2.
 
 A hit on pages offloaded to host or disk is admitted (pages allocated, loads queued) but held
 out of the forward while `cache.loads_pending` (on CUDA the loads land on a side stream while
