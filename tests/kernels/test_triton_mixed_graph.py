@@ -45,7 +45,7 @@ class _Eager:
 def _generate(folder: str, mixed: bool) -> tuple[list, list]:
     from swaserve import Engine, SamplingParams
     from swaserve.engine.mixed_graph import MixedGraphs  # noqa: F401
-    from tests.helpers import random_prompts
+    from tests.helpers import check_integrity_every_step, random_prompts
 
     e = Engine(model=folder, device="cpu", dtype="float32", page_size=4, kv_cache_gb=0.01,
                max_num_batched_tokens=40, attention_backend="triton")  # fmt: skip
@@ -57,14 +57,7 @@ def _generate(folder: str, mixed: bool) -> tuple[list, list]:
         assert g.buckets == [32, 64]
         core.runner.mixed = g
         seen = g.seen
-    step = core.step
-
-    def checked():
-        out = step()
-        core.memory.check_integrity()
-        return out
-
-    core.step = checked
+    check_integrity_every_step(e)
     prompts = random_prompts(200, [37, 6, 19, 45, 3], seed=5)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=2)
               for m in (6, 9, 5, 7, 8)]  # fmt: skip
