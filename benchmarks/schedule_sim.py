@@ -1,0 +1,161 @@
+"""CPU, no model: a vs_vllm.py workload driven through the real Scheduler and MemoryManager at
+the real page geometry, with each step timed by a roofline cost model of the GPU. Where the
+time of a run goes by step kind, how many requests decode at once, how many are preempted, for
+scheduler settings a GPU lease cannot afford to try one by one (`--kv-bound-step-tokens`).
+
+The loop: schedule; every scheduled request computes its chunk; one that reaches its known
+tokens samples one more (no overlap schedule: a request finishes in the step that samples its
+last token); retire. Step cost (ms), from the model's shape and the GPU's measured ceilings:
+
+    GEMMs      (w^3 + c^3)^(1/3): w = weight bytes / bandwidth, c = 2 x params x tokens / flops
+               (neither bound is reached at the ridge: 1.26x there)
+    decodes    the K/V bytes they read (each layer's keys, a window bounds them) / bandwidth
+    chunks     4 x tokens x keys x heads x head_dim per layer / attention flops, the rate
+               falling for chunks of few query blocks (sqrt(tokens / 512), at most 1)
+    per step   STEP_MS (norms, rotary, sampling, the launch)
+
+Calibrated only loosely (H200: a Gemma-3-27B decode step of 17 requests 21.4 ms, a 5.5k-token
+prefill step 482 ms, benchmarks/RESULTS.md stops 24/27): a guide to where a run's time goes
+and how settings compare, **not** a measurement; the GPU decides. Against the GPU so far
+(RESULTS.md, 2026-12-06): fp8-16k on an H100, cap off 144.6 s predicted / 145.1 measured, 7 /
+7 preemptions; R = 192 142.9 / 155.5 s, 9 / 9 preemptions: the scheduler's dynamics come out
+exactly, the capped (mixed) steps ~2 ms each cheaper than on the GPU. Gemma-3-27B
+hybrid-decode on an H200, cap off: 91.0 s predicted, 96.9 measured (stop 27).
+
+Usage: PYTHONPATH=. python benchmarks/schedule_sim.py --workload hybrid-decode --gpu h200 \
+           [--kv-bound-step-tokens 0 192 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from swaserve.bench.memory import layer_windows_from_config
+from swaserve.engine.request import Request
+from swaserve.engine.scheduler import Scheduler, _decoding
+from swaserve.memory.groups import build_layout
+from swaserve.memory.manager import MemoryManager, num_pages_for_bytes
+from swaserve.sampling.params import SamplingParams
+
+CONFIGS = Path(__file__).resolve().parent.parent / "swaserve" / "configs"
+STEP_MS = 0.8
+
+
+@dataclass(frozen=True)
+class Gpu:
+    bandwidth: float  # bytes/s reached by weight and K/V reads
+    gemm_flops: float  # bf16 GEMMs at large M
+    attn_flops: float  # prefill attention at large chunks
+
+
+GPUS = {"h200": Gpu(3.9e12, 700e12, 350e12), "h100": Gpu(3.0e12, 600e12, 300e12)}
+# workload: (config, KV GiB, requests, prompt, output, step token budget)
+WORKLOADS = {
+    "hybrid-decode": ("gemma-3-27b", 20, 48, 7936, 1024, 8192),
+    "hybrid-prefill": ("gemma-3-27b", 20, 48, 7936, 256, 8192),
+    "fp8-16k": ("llama-3.1-8b", 16, 64, 16000, 1024, 8192),
+}
+
+
+def params_of(cfg: dict) -> float:
+    """Weights read each step (embeddings once, as the head)."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    return layers * per_layer + cfg["vocab_size"] * h
+
+
+def simulate(workload: str, gpu: Gpu, kv_bound: int, conservativeness: float = 1.0) -> dict:
+    name, kv_gib, n, plen, olen, budget = WORKLOADS[workload]
+    cfg = json.loads((CONFIGS / name / "config.json").read_text())
+    windows = layer_windows_from_config(cfg)
+    hkv = cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads = cfg["num_attention_heads"]
+    layout = build_layout(windows)
+    ps = 16
+    pages = num_pages_for_bytes(layout, ps, hkv, d, 2, kv_gib * 2**30)
+    memory = MemoryManager(layout, ps, pages, watermark_pages=len(layout.groups))
+    sched = Scheduler(memory, 1024, budget, None, conservativeness, "fcfs", kv_bound)
+    for i in range(n):
+        p = SamplingParams(max_tokens=olen, ignore_eos=True, temperature=0)
+        sched.add(Request(str(i), [7] * plen, p, olen))
+    weights = params_of(cfg) * 2
+    flops_per_token = 2 * params_of(cfg)
+    kv_bytes = hkv * d * 2 * 2  # K and V of one token in one layer, bf16
+    totals = {"steps": 0, "ms": 0.0, "decode_tokens": 0, "prefill_tokens": 0, "mixed": 0,
+              "decode_only": 0, "prefill_only": 0, "decode_batch_sum": 0}  # fmt: skip
+    while sched.has_unfinished():
+        decoding = {id(r) for r in sched.running if _decoding(r)}
+        batch = sched.schedule()
+        if not batch:
+            raise RuntimeError("an empty step with requests unfinished")
+        tokens = sum(batch.num_new_tokens)
+        ms = STEP_MS
+        w, c = weights / gpu.bandwidth, flops_per_token * tokens / gpu.gemm_flops
+        ms += 1e3 * (w**3 + c**3) ** (1 / 3)
+        dec = pre = 0
+        for req, k in zip(batch.requests, batch.num_new_tokens):
+            ctx = req.num_computed_tokens
+            if id(req) in decoding:
+                dec += 1
+                keys = sum(ctx + 1 if win is None else min(ctx + 1, win) for win in windows)
+                ms += 1e3 * keys * kv_bytes / gpu.bandwidth
+            else:
+                pre += k
+                rate = gpu.attn_flops * min(1.0, (k / 512) ** 0.5)
+                for win in windows:
+                    keys = ctx + k / 2 if win is None else min(ctx + k / 2, win)
+                    ms += 1e3 * 4 * k * keys * heads * d / rate
+            req.num_computed_tokens += k
+        totals["ms"] += ms
+        totals["steps"] += 1
+        totals["decode_tokens"] += dec
+        totals["prefill_tokens"] += pre
+        totals["decode_batch_sum"] += dec
+        kind = "mixed" if dec and pre else "decode_only" if dec else "prefill_only"
+        totals[kind] += 1
+        for req in list(batch.requests):
+            if req.num_computed_tokens == req.num_tokens:
+                req.output_token_ids.append(7)
+                if len(req.output_token_ids) >= req.max_tokens:
+                    sched.finish(req)
+        sched.retire()
+    seconds = totals["ms"] / 1e3
+    total_tokens = n * (plen + olen)
+    return {
+        "workload": workload, "kv_bound_step_tokens": kv_bound, "seconds": round(seconds, 1),
+        "total_tok_per_s": round(total_tokens / seconds, 1),
+        "output_tok_per_s": round(n * olen / seconds, 1),
+        "steps": totals["steps"], "mixed": totals["mixed"],
+        "decode_only": totals["decode_only"], "prefill_only": totals["prefill_only"],
+        "mean_decode_batch": round(totals["decode_batch_sum"] / max(1, totals["steps"]), 1),
+        "prefill_tokens": totals["prefill_tokens"], "preemptions": sched.num_preemptions,
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="hybrid-decode")
+    ap.add_argument("--gpu", choices=sorted(GPUS), default="h200")
+    ap.add_argument("--kv-bound-step-tokens", type=int, nargs="+", default=[0, 192])
+    ap.add_argument("--schedule-conservativeness", type=float, default=1.0)
+    args = ap.parse_args()
+    rows = [simulate(args.workload, GPUS[args.gpu], r, args.schedule_conservativeness)
+            for r in args.kv_bound_step_tokens]
+    for row in rows:
+        print(json.dumps(row))
+    keys = ["kv_bound_step_tokens", "seconds", "total_tok_per_s", "output_tok_per_s", "steps",
+            "mixed", "decode_only", "prefill_only", "mean_decode_batch", "preemptions"]
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
