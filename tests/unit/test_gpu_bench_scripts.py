@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +18,7 @@ def _script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -109,3 +111,16 @@ def test_pd_transfer_tiny(tmp_path, capsys, monkeypatch):
     aware, full = by["window-aware", 200], by["all-full", 200]
     assert aware["pages"] == 13 + 2 * 2 and full["pages"] == 13
     assert full["bytes"] * 17 == aware["bytes"] * 13 * 3
+
+
+def test_schedule_sim_drives_the_real_scheduler():
+    """benchmarks/schedule_sim.py: every prompt token is computed (preempted ones again), the
+    KV-bound cap turns the waves of prefill steps into steps mixing chunks and decodes."""
+    sim = _script("schedule_sim")
+    off = sim.simulate("fp8-16k", sim.GPUS["h100"], 0)
+    capped = sim.simulate("fp8-16k", sim.GPUS["h100"], 192)
+    for row in (off, capped):
+        assert row["prefill_tokens"] >= 64 * 16000
+        assert row["steps"] == row["mixed"] + row["decode_only"] + row["prefill_only"]
+        assert row["seconds"] > 0
+    assert capped["mixed"] > 10 * off["mixed"]
