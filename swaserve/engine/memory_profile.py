@@ -29,7 +29,9 @@ from swaserve.memory.groups import GroupLayout
 from swaserve.memory.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
-GRAPH_RESERVE_BYTES = 512 * 2**20  # decode graphs' pool and split-KV partials, beyond logits
+# decode graphs' pool and split-KV partials, beyond logits; the mixed graphs' pool too (their
+# logits are [<= 65, vocab], their partials at most MAX_SPLIT_BYTES, activations of <= 256 rows)
+GRAPH_RESERVE_BYTES = 512 * 2**20
 
 
 @dataclass
