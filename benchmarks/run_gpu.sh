@@ -2,7 +2,7 @@
 # Every GPU benchmark of the project in priority order, each under its own time limit, logs
 # and JSON under $OUT (default ./bench_out); a cut-off run keeps what the earlier ones wrote.
 # The default steps take ~30 min: more than one device call (10 min each), so pick with STEPS;
-# gemv, serve_vs_offline, greedy_agreement and pd_transfer run only when named. E.g.
+# gemv, serve_vs_offline, greedy_agreement, pd_transfer and kv_bound_* run only when named. E.g.
 #   STEPS="engine_decode offline_vs_hf" bash benchmarks/run_gpu.sh
 #   STEPS="window_vs_full fp8_vs_bf16 fp8_gemma270m" bash benchmarks/run_gpu.sh g.gguf
 # Usage (repo root): [STEPS="..."] bash benchmarks/run_gpu.sh [gemma-3-270m.gguf]
@@ -31,6 +31,12 @@ fi
 step step_profile 240 python3 benchmarks/step_profile.py
 step fused_moe 150 python3 benchmarks/fused_moe.py
 step gemv 300 python3 benchmarks/gemv_bench.py --rows 1 2 4 8 16
+# the KV-bound prefill cap (--kv-bound-step-tokens, opt-in) on the Gemma-3-27B runs it is built
+# for, off against two caps (H200: the 27B and 20 GiB of KV do not fit an H100); named only
+step kv_bound_decode 560 python3 benchmarks/vs_vllm.py --workloads hybrid-decode --engines \
+    swaserve swaserve@kv_bound_step_tokens=192 swaserve@kv_bound_step_tokens=256
+step kv_bound_prefill 560 python3 benchmarks/vs_vllm.py --workloads hybrid-prefill --engines \
+    swaserve swaserve@kv_bound_step_tokens=192 swaserve@kv_bound_step_tokens=256
 # the server's dependencies: `bash scripts/server_wheels_for_device.sh pack` here, carry
 # .devcarry/srv, then eval "$(bash scripts/server_wheels_for_device.sh install /root/srvpy)"
 # SVO_ARGS: its flags, e.g. "--rows offline serve --stream-intervals 1 4"
