@@ -28,19 +28,19 @@ starts with the first of them (round robin over the decoding requests: none wait
 a few steps). The cap holds for the decodes of a mixed step too; prefill chunks (admissions
 included) are not capped, and a step with one takes the variable-size path.
 
-Prefill beside decodes under KV pressure (`kv_bound_step_tokens` R, Sarathi-Serve's
-stall-free batching, applied only where it pays): when the pool holds fewer than R requests
+Prefill beside decodes under KV pressure (`kv_bound_step_tokens` R, Sarathi-Serve's stall-free
+batching, meant for pools that hold few requests): when the pool holds fewer than R requests
 like the next waiting one (at its prompt plus expected output, `settled_pages`), requests are
-queued for room, and some running requests decode, a step carries at most max(page, R -
-decode tokens) prefill tokens. Such a pool decodes a small batch, whose steps are bound by
-reading the weights: a few hundred prefill tokens ride along for little more than the GEMMs'
-compute (a graphed mixed step: engine/mixed_graph.py), where an uncapped scheduler runs the
-batch in waves (prefill steps of thousands of tokens while nothing decodes, then a long
-decode phase at the batch the pool allows). A pool that holds hundreds of requests is never
-capped: its decodes already fill the GEMMs, and a cap would slow the ramp to that batch.
-Opt-in (default 0): measured only where it loses, a Llama-8B run of 16k prompts on an H100
-(-7%: there a prompt token's attention over 16k keys is a third of its work, and small chunks
-run it less efficiently than big ones); see docs/architecture.md §2.
+queued for room, and some running requests decode, a step carries at most max(page, R - decode
+tokens) prefill tokens. Such a pool decodes a small batch, whose steps are bound by reading the
+weights: a few hundred prefill tokens ride along for little more than the GEMMs' compute (a
+graphed mixed step: engine/mixed_graph.py), where an uncapped scheduler runs the batch in waves
+(prefill steps of thousands of tokens while nothing decodes, then a long decode phase at the
+batch the pool allows). A pool that holds hundreds of requests is never capped: its decodes
+already fill the GEMMs, and a cap would slow the ramp to that batch. Opt-in (default 0):
+measured only where it loses, a Llama-8B run of 16k prompts on an H100 (-7%: there a prompt
+token's attention over 16k keys is a third of its work, and small chunks run it less
+efficiently than big ones); see docs/architecture.md §2.
 
 A hit on pages offloaded to host or disk is admitted (pages allocated, loads queued) but held
 out of the forward while `cache.loads_pending` (on CUDA the loads land on a side stream while
