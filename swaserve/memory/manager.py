@@ -61,6 +61,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _settled(slots: int, caps: list[int | None]) -> int:
+    """Pages over groups of a table of `slots` page slots, each group at most its cap
+    (`MemoryManager._settled_caps`; None: no cap)."""
+    return sum(slots if c is None else min(slots, c) for c in caps)
+
+
 def page_bytes(
     layout: GroupLayout, page_size: int, kv_heads: int, head_dim: int, dtype_bytes: int
 ) -> int:
@@ -160,7 +166,7 @@ class MemoryManager:
         caps = self._settled_caps(verify_drafts)
 
         def pages(slots: int) -> int:
-            return sum(slots if c is None else min(slots, c) for c in caps)
+            return _settled(slots, caps)
 
         if None in caps:
             hi = max(0, budget)  # a full group needs one page per slot: slots <= budget
@@ -189,8 +195,7 @@ class MemoryManager:
     def settled_pages(self, num_tokens: int) -> int:
         """Pages, summed over groups, that a request of `num_tokens` tokens holds in the
         pool: one per page of tokens in a full group, at most a window's worth in an SWA group."""
-        slots = _ceil_div(num_tokens, self.page_size)
-        return sum(slots if c is None else min(slots, c) for c in self._settled_caps())
+        return _settled(_ceil_div(num_tokens, self.page_size), self._settled_caps())
 
     def pages_needed(self, request: RequestLike, num_new_tokens: int) -> int:
         """New pages, summed over groups, to compute tokens [c, c + num_new_tokens).

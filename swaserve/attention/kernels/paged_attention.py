@@ -959,9 +959,9 @@ def chunk_num_splits(
 ) -> int:
     """Key splits of the prefill-tile launch of a mixed batch: a chunk of a few query blocks
     over a long context (a KV-bound step: ~185 tokens beside the decodes, over 16k keys) is a
-    few dozen programs walking every key one after the other. Split while the programs fill
-    fewer than two slots per SM, into splits of at least BALANCE_SPLIT_KEYS keys; long chunks
-    (many blocks) are not split."""
+    few dozen programs walking every key one after the other. Double the splits while the
+    programs fit one per SM (ending at one to two per SM), into splits of at least
+    BALANCE_SPLIT_KEYS keys; long chunks (many blocks) are not split."""
     programs = triton.cdiv(max(1, max_query_len), block_q) * num_kv_heads
     splits = 1
     while (
