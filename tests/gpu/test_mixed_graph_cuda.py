@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.test_piecewise_cuda import _prompts, assert_graph_outputs, tiny  # noqa: F401
+from tests.gpu.test_piecewise_cuda import (  # noqa: F401
+    _prompts,
+    assert_graph_outputs,
+    outputs_of,
+    tiny,
+)
 from tests.helpers import check_integrity_every_step
 
 pytestmark = [
@@ -32,8 +37,7 @@ def _run(folder: str, mixed: int, **kw) -> tuple[list, list]:
     check_integrity_every_step(e)
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     outs = e.generate(prompt_token_ids=_prompts(), sampling_params=p, use_tqdm=False)
-    got = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
-    return got, replays
+    return outputs_of(outs), replays
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])

@@ -14,6 +14,8 @@ import transformers
 from swaserve import Engine, SamplingParams
 from tests.helpers import save_random_hf_model, tiny_gemma3_config
 
+NEAR_TIE = 0.05  # logprobs of the two best tokens this close: bf16 rounding may swap them
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -60,8 +62,7 @@ def _run(folder: str, pieces: int, **kw) -> tuple[list, int]:
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     outs = e.generate(prompt_token_ids=_prompts(), sampling_params=p, use_tqdm=False)
     e.core.memory.check_integrity()
-    got = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
-    return got, len(replays)
+    return outputs_of(outs), len(replays)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
@@ -74,12 +75,24 @@ def test_piecewise_equals_eager(tiny, name, dtype, kv):
     assert_graph_outputs(got, want, dtype)
 
 
+def outputs_of(outs: list) -> list:
+    """(tokens, logprob of each, the two best logprobs at each position) per request."""
+    return [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs],
+             [[v for _, v in lp.top[:2]] for lp in o.outputs[0].logprobs]) for o in outs]
+
+
 def assert_graph_outputs(got: list, want: list, dtype: str) -> None:
-    """(tokens, logprobs) per request of a graph path against the path it replaces."""
+    """`outputs_of` a graph path against the path it replaces. float32: the same tokens,
+    logprobs within 1e-4. bf16: logprobs within 2e-2 while the tokens agree; a graph rounds
+    differently (GEMMs over padded rows, other key splits), so they may part, but only at a
+    near tie of the replaced path (its two best within NEAR_TIE there)."""
     tol = 1e-4 if dtype == "float32" else 2e-2
-    same = sum(g[0] == w[0] for g, w in zip(got, want))
-    # bf16: a padded GEMM may round differently, and a near tie can flip a token; float32 not
-    assert same == len(want) if dtype == "float32" else same >= len(want) - 1
-    for (gt, gl), (wt, wl) in zip(got, want):
-        if gt == wt:
-            assert max(abs(a - b) for a, b in zip(gl, wl)) < tol
+    for i, ((gt, gl, _), (wt, wl, wtop)) in enumerate(zip(got, want, strict=True)):
+        n = next((j for j, (a, b) in enumerate(zip(gt, wt)) if a != b), len(wt))
+        assert n == len(wt) == len(gt) or dtype != "float32", f"request {i}: tokens part at {n}"
+        if n < min(len(gt), len(wt)):
+            gap = wtop[n][0] - wtop[n][1]
+            assert gap < NEAR_TIE, f"request {i}: tokens part at {n}, no tie there ({gap:.3g})"
+        if n:
+            worst = max(abs(a - b) for a, b in zip(gl[:n], wl[:n]))
+            assert worst < tol, f"request {i}: logprobs differ by {worst:.3g} (tolerance {tol})"
