@@ -24,14 +24,19 @@ hybrid-decode on an H200, cap off: 91.0 s predicted, 96.9 measured (stop 27). Th
 run: 42.5 s predicted, 46.4-46.9 measured (stop 31): the model knows no host time and puts
 the GEMMs of ~900-row steps at their roofline.
 
+`--floor` prints instead the least time any schedule of the workload could take at the GPU's
+ceilings (`floor`): how far a measured run, and the peer's, are from what kernels run one after
+another can reach.
+
 Usage: PYTHONPATH=.:benchmarks python benchmarks/schedule_sim.py --workload hybrid-decode \
-           --gpu h200 [--kv-bound-step-tokens 0 192 ...]
+           --gpu h200 [--kv-bound-step-tokens 0 192 ...] [--floor]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +56,14 @@ class Gpu:
     bandwidth: float  # bytes/s reached by weight and K/V reads
     gemm_flops: float  # bf16 GEMMs at large M
     attn_flops: float  # prefill attention at large chunks
+    copy_ceiling: float  # bytes/s of a device copy (`floor`)
+    matmul_ceiling: float  # the best bf16 matmul's FLOP/s (`floor`)
 
 
-GPUS = {"h200": Gpu(3.9e12, 700e12, 350e12), "h100": Gpu(3.0e12, 600e12, 300e12)}
+# H200 ceilings: measured on the lent machines (the project brief: copy ~4,200 GB/s, bf16
+# matmul ~760 TFLOP/s); the H100's are not measured here: its model rates are reused
+GPUS = {"h200": Gpu(3.9e12, 700e12, 350e12, 4.2e12, 760e12),
+        "h100": Gpu(3.0e12, 600e12, 300e12, 3.0e12, 600e12)}
 # workload: (config, KV GiB, requests, prompt, output, step token budget); offline: the
 # peer's 1,000 requests (lengths U[100, 1024], step_profile.make_requests) in the pool the
 # engine's default profile gave on an H200 (752,064 tokens), queued longest output first
@@ -74,6 +84,74 @@ def params_of(cfg: dict) -> float:
     return layers * per_layer + cfg["vocab_size"] * h
 
 
+def _lengths(workload: str) -> list[tuple[int, int]]:
+    """(prompt, output) tokens per request, in queue order."""
+    _, _, n, plen, olen, _ = WORKLOADS[workload]
+    if workload != "offline":
+        return [(plen, olen)] * n
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # imported from elsewhere (tests): step_profile sits beside it
+        sys.path.append(here)
+    from step_profile import make_requests
+
+    return sorted(((len(ids), o) for ids, o in make_requests(n)), key=lambda x: -x[1])
+
+
+def floor(workload: str, gpu: Gpu) -> dict:
+    """The least time any schedule of the workload takes on an engine whose kernels run one
+    after another (GEMMs, then attention: vLLM, SGLang and swaserve alike), every kernel at
+    the GPU's ceiling and no time between them; no preemption, no speculation.
+
+        GEMMs      max(S x weights / copy, linear FLOPs / matmul): a step reads the weights
+                   once, the layers' FLOPs for every prompt and fed-back token, the head's for
+                   sampled ones. S, the decode steps, is at least the longest output (a token
+                   a request a step) and the K/V that decoding requests hold, summed over
+                   their decode steps, over the pool (a full pool every step)
+        attention  each decode token's K/V reads (a window bounds its layers') / copy, plus
+                   the prompts' causal attention FLOPs / matmul
+    With attention run beside the GEMMs (NanoFlow's nano-batches) only the larger of the
+    two bounds would stay: `overlapped_s`."""
+    name, kv_gib = WORKLOADS[workload][:2]
+    pool_bytes = kv_gib * 2**30
+    cfg = json.loads((CONFIGS / name / "config.json").read_text())
+    windows = layer_windows_from_config(cfg)
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    qd, kv_bytes = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d * 2 * 2
+    head = cfg["vocab_size"] * cfg["hidden_size"]
+    body = params_of(cfg) - head
+    lengths = _lengths(workload)
+    prompt, output = sum(p for p, _ in lengths), sum(o for _, o in lengths)
+    gemm_flops = 2 * body * (prompt + output - len(lengths)) + 2 * head * output
+
+    def keys(win: int | None, first: int, count: int) -> float:
+        """Keys attended by queries at positions first .. first + count - 1, summed."""
+        last = first + count - 1
+        if count <= 0:
+            return 0.0
+        if win is None or last < win:
+            return count * (first + last + 2) / 2
+        if first >= win - 1:
+            return count * win
+        return keys(win, first, win - first) + keys(win, win, count - (win - first))
+
+    kv_read = attn_flops = held = 0.0
+    for p, o in lengths:
+        for win in windows:
+            attn_flops += 4 * qd * keys(win, 0, p)  # QK^T and PV of every prompt query
+            kv_read += kv_bytes * keys(win, p, o - 1)  # decode queries at p .. p + o - 2
+            held += kv_bytes * keys(win, p - 1, o)  # what decode step j holds: p + j tokens
+    steps = max(max(o for _, o in lengths), held / pool_bytes)
+    gemm_s = max(steps * 2 * params_of(cfg) / gpu.copy_ceiling, gemm_flops / gpu.matmul_ceiling)
+    attn_s = kv_read / gpu.copy_ceiling + attn_flops / gpu.matmul_ceiling
+    return {
+        "workload": workload, "floor_s": round(gemm_s + attn_s, 1),
+        "gemm_s": round(gemm_s, 1), "attention_s": round(attn_s, 1), "decode_steps": round(steps),
+        "overlapped_s": round(max(gemm_s, attn_s), 1),
+        "floor_total_tok_per_s": round((prompt + output) / (gemm_s + attn_s), 1),
+        "floor_output_tok_per_s": round(output / (gemm_s + attn_s), 1),
+    }  # fmt: skip
+
+
 def simulate(workload: str, gpu: Gpu, kv_bound: int, conservativeness: float = 1.0) -> dict:
     name, kv_gib, n, plen, olen, budget = WORKLOADS[workload]
     cfg = json.loads((CONFIGS / name / "config.json").read_text())
@@ -86,11 +164,7 @@ def simulate(workload: str, gpu: Gpu, kv_bound: int, conservativeness: float = 1
     pages = num_pages_for_bytes(layout, ps, hkv, d, 2, kv_gib * 2**30)
     memory = MemoryManager(layout, ps, pages, watermark_pages=len(layout.groups))
     sched = Scheduler(memory, 1024, budget, None, conservativeness, "fcfs", kv_bound)
-    lengths = [(plen, olen)] * n
-    if workload == "offline":
-        from step_profile import make_requests  # benchmarks/ is on the path when run as a script
-
-        lengths = sorted(((len(ids), o) for ids, o in make_requests(n)), key=lambda x: -x[1])
+    lengths = _lengths(workload)
     for i, (pl, ol) in enumerate(lengths):
         p = SamplingParams(max_tokens=ol, ignore_eos=True, temperature=0)
         sched.add(Request(str(i), [7] * pl, p, ol))
@@ -153,7 +227,12 @@ def main() -> None:
     ap.add_argument("--gpu", choices=sorted(GPUS), default="h200")
     ap.add_argument("--kv-bound-step-tokens", type=int, nargs="+", default=[0, 192])
     ap.add_argument("--schedule-conservativeness", type=float, default=1.0)
+    ap.add_argument("--floor", action="store_true",
+                    help="only the workload's floor at the GPU's ceilings (`floor`)")
     args = ap.parse_args()
+    if args.floor:
+        print(json.dumps(floor(args.workload, GPUS[args.gpu])))
+        return
     rows = [simulate(args.workload, GPUS[args.gpu], r, args.schedule_conservativeness)
             for r in args.kv_bound_step_tokens]
     for row in rows:

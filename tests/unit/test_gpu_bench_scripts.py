@@ -124,3 +124,17 @@ def test_schedule_sim_drives_the_real_scheduler():
         assert row["steps"] == row["mixed"] + row["decode_only"] + row["prefill_only"]
         assert row["seconds"] > 0
     assert capped["mixed"] > 10 * off["mixed"]
+
+
+def test_schedule_sim_floor_bounds_its_schedules():
+    """schedule_sim.floor: no simulated schedule beats it (the model's rates are below the
+    ceilings); the offline run's decode steps are its longest output, the KV-bound ones more;
+    a window bounds the keys a decode reads."""
+    sim = _script("schedule_sim")
+    for workload in ("fp8-16k", "hybrid-prefill"):
+        low = sim.floor(workload, sim.GPUS["h200"])
+        assert 0 < low["overlapped_s"] <= low["floor_s"] < sim.simulate(
+            workload, sim.GPUS["h200"], 0)["seconds"]  # fmt: skip
+        assert low["floor_s"] == pytest.approx(low["gemm_s"] + low["attention_s"], abs=0.11)
+    assert sim.floor("offline", sim.GPUS["h200"])["decode_steps"] == 1024
+    assert sim.floor("fp8-16k", sim.GPUS["h200"])["decode_steps"] > 1024  # 16 GiB binds
