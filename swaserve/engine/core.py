@@ -297,7 +297,17 @@ class EngineCore:
                             "steps exchange fixed-shape buffers, but the experts' kernel and "
                             "idle ranks' MoE-only forwards are not captured): running eager")
             else:
-                self._capture_graphs(backend)
+                try:
+                    self._capture_graphs(backend)
+                except torch.OutOfMemoryError as e:
+                    from swaserve.engine.memory_profile import graph_memory_error
+
+                    weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+                    total = torch.cuda.get_device_properties(self.device).total_memory
+                    raise graph_memory_error(
+                        weights, num_pages * bytes_per_page, total, config,
+                        self._mixed_max_tokens(), self._piecewise_max_tokens(),
+                    ) from e  # fmt: skip
         self._warm_up_kernels(backend)
         self.requests: dict[str, Request] = {}
         self._inflight: _Launched | None = None

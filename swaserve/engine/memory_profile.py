@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -113,3 +114,25 @@ def profile_kv_bytes(
             "give --kv-cache-gb"
         )
     return profile
+
+
+def graph_memory_error(
+    weights: int, kv_bytes: int, total: int, config: Any, mixed_tokens: int, piecewise_tokens: int
+) -> torch.OutOfMemoryError:
+    """What to raise when CUDA graph capture runs out of memory at start: the weights and the
+    pool take most of the device (`total` bytes) and the graphs' buffers (the largest decode
+    batch's logits, the piecewise graphs' activations) do not fit beside them. An explicit
+    --kv-cache-gb skips the profile that leaves room for them; the message names the numbers
+    and the flags."""
+    gb = 2**30
+    pool = (f"--kv-cache-gb {config.kv_cache_gb:g}" if config.kv_cache_gb is not None
+            else f"--gpu-memory-utilization {config.gpu_memory_utilization:g}")  # fmt: skip
+    return torch.OutOfMemoryError(
+        f"out of GPU memory capturing CUDA graphs: the weights ({weights / gb:.1f} GiB) and the "
+        f"KV pool ({kv_bytes / gb:.1f} GiB, {pool}) leave {(total - weights - kv_bytes) / gb:.1f}"
+        f" of {total / gb:.1f} GiB for activations and the graphs (decode batches up to "
+        f"{config.cuda_graph_max_bs}, mixed steps up to {mixed_tokens} tokens, piecewise steps "
+        f"up to {piecewise_tokens}). Give the pool less (--kv-cache-gb, "
+        f"--gpu-memory-utilization), capture fewer graphs (--cuda-graph-max-bs, "
+        f"--max-num-seqs), or run without them (--enforce-eager)"
+    )
