@@ -24,18 +24,24 @@ hybrid-decode on an H200, cap off: 91.0 s predicted, 96.9 measured (stop 27). Th
 run: 42.5 s predicted, 46.4-46.9 measured (stop 31): the model knows no host time and puts
 the GEMMs of ~900-row steps at their roofline.
 
+`--host-gib G` runs the real radix cache with a host tier of G GiB over a stand-in pool (distinct
+prompts; stores to the host stall a step, loads ride beside it at PCIE), which
+`--prefill-ahead-tokens R` (the scheduler's prefill ahead) needs.
+
 `--floor` prints instead the least time any schedule of the workload could take at the GPU's
 ceilings (`floor`): how far a measured run, and the peer's, are from what kernels run one after
 another can reach.
 
 Usage: PYTHONPATH=.:benchmarks python benchmarks/schedule_sim.py --workload hybrid-decode \
-           --gpu h200 [--kv-bound-step-tokens 0 192 ...] [--floor]
+           --gpu h200 [--kv-bound-step-tokens 0 192 ...] [--host-gib 40 --prefill-ahead-tokens 128]
+           [--floor]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,11 +50,12 @@ from swaserve.bench.memory import layer_windows_from_config
 from swaserve.engine.request import Request
 from swaserve.engine.scheduler import Scheduler, _decoding
 from swaserve.memory.groups import build_layout
-from swaserve.memory.manager import MemoryManager, num_pages_for_bytes
+from swaserve.memory.manager import MemoryManager, num_pages_for_bytes, page_bytes
 from swaserve.sampling.params import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parent.parent / "swaserve" / "configs"
 STEP_MS = 0.8
+PCIE = 40e9  # bytes/s between host and device, each way (PCIe 5.0 x16, pinned memory)
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,26 @@ def floor(workload: str, gpu: Gpu) -> dict:
     }  # fmt: skip
 
 
-def simulate(workload: str, gpu: Gpu, kv_bound: int, conservativeness: float = 1.0) -> dict:
+def _host_cache(memory: MemoryManager, layout, ps: int, pages: int, host_pages: int):
+    """The real radix cache with a host tier over a stand-in pool of the same page geometry
+    (one head of one byte: the cache moves pages, their contents do not matter here)."""
+    import torch
+
+    from swaserve.memory.host_cache import OffloadPool, device_page_shape
+    from swaserve.memory.kv_pool import KVPool
+    from swaserve.memory.radix_cache import RadixCache
+
+    kv = KVPool(layout, pages, ps, 1, 1, torch.uint8, torch.device("cpu"))
+    return RadixCache(memory, kv, [OffloadPool("host", host_pages, device_page_shape(kv))])
+
+
+def simulate(workload: str, gpu: Gpu, kv_bound: int, conservativeness: float = 1.0,
+             host_gib: float = 0.0, max_num_seqs: int = 1024, ahead: int = 0) -> dict:
+    """One run of the workload. `host_gib` > 0: the prefix cache with a host tier of that
+    size (distinct prompts, so its hits are requests coming back after a preemption: their
+    K/V, evicted to the host, loads back instead of being computed again); stores to the host
+    stall the step (the forward waits for them), loads ride beside it at PCIE bytes/s.
+    `ahead`: the scheduler's prefill_ahead_tokens (needs `host_gib`)."""
     name, kv_gib, n, plen, olen, budget = WORKLOADS[workload]
     cfg = json.loads((CONFIGS / name / "config.json").read_text())
     windows = layer_windows_from_config(cfg)
@@ -163,21 +189,32 @@ def simulate(workload: str, gpu: Gpu, kv_bound: int, conservativeness: float = 1
     ps = 16
     pages = num_pages_for_bytes(layout, ps, hkv, d, 2, kv_gib * 2**30)
     memory = MemoryManager(layout, ps, pages, watermark_pages=len(layout.groups))
-    sched = Scheduler(memory, 1024, budget, None, conservativeness, "fcfs", kv_bound)
+    real_page = page_bytes(layout, ps, hkv, d, 2)
+    cache = None
+    if host_gib > 0:
+        cache = _host_cache(memory, layout, ps, pages, int(host_gib * 2**30 // real_page))
+    sched = Scheduler(memory, max_num_seqs, budget, cache, conservativeness, "fcfs", kv_bound,
+                      ahead)  # fmt: skip
     lengths = _lengths(workload)
+    rng = random.Random(0)
     for i, (pl, ol) in enumerate(lengths):
         p = SamplingParams(max_tokens=ol, ignore_eos=True, temperature=0)
-        sched.add(Request(str(i), [7] * pl, p, ol))
+        ids = [rng.randrange(1000) for _ in range(pl)] if cache is not None else [7] * pl
+        sched.add(Request(str(i), ids, p, ol))
+    moved = [0, 0]  # pages stored to / loaded from the host so far
     weights = params_of(cfg) * 2
     flops_per_token = 2 * params_of(cfg)
     kv_bytes = hkv * d * 2 * 2  # K and V of one token in one layer, bf16
     totals = {"steps": 0, "ms": 0.0, "decode_tokens": 0, "prefill_tokens": 0, "mixed": 0,
-              "decode_only": 0, "prefill_only": 0, "decode_batch_sum": 0}  # fmt: skip
+              "decode_only": 0, "prefill_only": 0, "decode_batch_sum": 0, "host_stores": 0,
+              "host_loads": 0}  # fmt: skip
     while sched.has_unfinished():
         decoding = {id(r) for r in sched.running if _decoding(r)}
         batch = sched.schedule()
         if not batch:
             raise RuntimeError("an empty step with requests unfinished")
+        if cache is not None:
+            cache.move_pages()
         tokens = sum(batch.num_new_tokens)
         ms = STEP_MS
         w, c = weights / gpu.bandwidth, flops_per_token * tokens / gpu.gemm_flops
@@ -196,6 +233,13 @@ def simulate(workload: str, gpu: Gpu, kv_bound: int, conservativeness: float = 1
                     keys = ctx + k / 2 if win is None else min(ctx + k / 2, win)
                     ms += 1e3 * 4 * k * keys * heads * d / rate
             req.num_computed_tokens += k
+        if cache is not None:
+            stored, loaded = cache.stored_pages - moved[0], cache.loaded_pages - moved[1]
+            moved = [cache.stored_pages, cache.loaded_pages]
+            ms += 1e3 * stored * real_page / PCIE  # the forward waits for the stores
+            ms = max(ms, 1e3 * loaded * real_page / PCIE)  # loads overlap it
+            totals["host_stores"] += stored
+            totals["host_loads"] += loaded
         totals["ms"] += ms
         totals["steps"] += 1
         totals["decode_tokens"] += dec
@@ -218,6 +262,9 @@ def simulate(workload: str, gpu: Gpu, kv_bound: int, conservativeness: float = 1
         "decode_only": totals["decode_only"], "prefill_only": totals["prefill_only"],
         "mean_decode_batch": round(totals["decode_batch_sum"] / max(1, totals["steps"]), 1),
         "prefill_tokens": totals["prefill_tokens"], "preemptions": sched.num_preemptions,
+        "parks": sched.num_parks,
+        "host_gib_moved": round((totals["host_stores"] + totals["host_loads"]) * real_page
+                                / 2**30, 1),
     }  # fmt: skip
 
 
@@ -227,18 +274,24 @@ def main() -> None:
     ap.add_argument("--gpu", choices=sorted(GPUS), default="h200")
     ap.add_argument("--kv-bound-step-tokens", type=int, nargs="+", default=[0, 192])
     ap.add_argument("--schedule-conservativeness", type=float, default=1.0)
+    ap.add_argument("--host-gib", type=float, default=0.0,
+                    help="the prefix cache with a host tier of this many GiB (0: no cache)")
+    ap.add_argument("--prefill-ahead-tokens", type=int, default=0,
+                    help="the scheduler's prefill ahead (needs --host-gib)")
     ap.add_argument("--floor", action="store_true",
                     help="only the workload's floor at the GPU's ceilings (`floor`)")
     args = ap.parse_args()
     if args.floor:
         print(json.dumps(floor(args.workload, GPUS[args.gpu])))
         return
-    rows = [simulate(args.workload, GPUS[args.gpu], r, args.schedule_conservativeness)
-            for r in args.kv_bound_step_tokens]
+    rows = [simulate(args.workload, GPUS[args.gpu], r, args.schedule_conservativeness,
+                     args.host_gib, ahead=args.prefill_ahead_tokens)
+            for r in args.kv_bound_step_tokens]  # fmt: skip
     for row in rows:
         print(json.dumps(row))
     keys = ["kv_bound_step_tokens", "seconds", "total_tok_per_s", "output_tok_per_s", "steps",
-            "mixed", "decode_only", "prefill_only", "mean_decode_batch", "preemptions"]
+            "mixed", "decode_only", "prefill_only", "mean_decode_batch", "preemptions", "parks",
+            "host_gib_moved"]
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for row in rows:

@@ -70,6 +70,11 @@ class EngineConfig:
     # prompts (benchmarks/RESULTS.md, 2026-12-06); the Gemma runs it is meant for are not
     # measured yet.
     kv_bound_step_tokens: int = 0
+    # Prefill ahead (engine/scheduler.py): while the pool is full of decodes, one waiting
+    # prompt at a time is prefilled in chunks of at most this many tokens less the step's
+    # decodes, and parked in the prefix cache's host tier until there is room for it to decode.
+    # Needs the prefix cache and --host-cache-gb. 0: off. Not measured on a GPU yet.
+    prefill_ahead_tokens: int = 0
     # fcfs | priority: requests' `priority` orders admission and preemption
     # (engine/scheduler.py), as vLLM's --scheduling-policy
     scheduling_policy: str = "fcfs"
@@ -155,6 +160,11 @@ class EngineConfig:
             raise bad("mixed_cuda_graph_max_tokens", "must be >= 0")
         if self.kv_bound_step_tokens < 0:
             raise bad("kv_bound_step_tokens", "must be >= 0 (0: no cap)")
+        if self.prefill_ahead_tokens < 0:
+            raise bad("prefill_ahead_tokens", "must be >= 0 (0: off)")
+        if self.prefill_ahead_tokens and (self.disable_prefix_cache or self.host_cache_gb <= 0):
+            raise bad("prefill_ahead_tokens", "parks prompts in the prefix cache's host tier: "
+                      "it needs the prefix cache and --host-cache-gb > 0")  # fmt: skip
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1")
         cap = self.moe_decode_max_tokens_per_rank
@@ -470,6 +480,13 @@ FLAGS: dict[str, FlagInfo] = {
         "carries prefill chunks up to this many tokens in all (stall-free batching: the small "
         "decode batch reads the weights anyway; ~192 is a bf16 GEMM's turn from reading to "
         "computing on an H200); 0: off",
+    ),
+    "prefill_ahead_tokens": FlagInfo(
+        "scheduling",
+        "while the KV pool is full of decodes and prompts wait, prefill one of them at a time "
+        "beside the decodes (chunks of at most this many tokens less the step's decodes) and "
+        "park its K/V in the host tier until it has room to decode; needs --host-cache-gb; 0: "
+        "off",
     ),
     "scheduling_policy": FlagInfo(
         "scheduling",

@@ -253,7 +253,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.memory, config.max_num_seqs, config.max_num_batched_tokens, self.cache,
             config.schedule_conservativeness, config.scheduling_policy,
-            config.kv_bound_step_tokens,
+            config.kv_bound_step_tokens, config.prefill_ahead_tokens,
         )
         if self.parallel is None:
             self.runner = ModelRunner(self.model, self.kv, backend, self.device)

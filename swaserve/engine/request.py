@@ -43,6 +43,11 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit of the first admission
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Prefill ahead (engine/scheduler.py): admitted only to prefill its prompt while the pool
+    # is full of decodes (`ahead`), then parked: waiting, its prompt's K/V in the prefix cache
+    # (`parked`), until admitted again with room to decode
+    ahead: bool = False
+    parked: bool = False
     prompt_logprobs: list[Logprob | None] | None = None  # built chunk by chunk
     prompt_logprobs_sent: bool = False
     # Speculative decoding: drafts to verify in the next step, after the known tokens (their

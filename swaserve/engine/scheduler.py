@@ -42,6 +42,23 @@ measured only where it loses, a Llama-8B run of 16k prompts on an H100 (-7%: the
 token's attention over 16k keys is a third of its work, and small chunks run it less
 efficiently than big ones); see docs/architecture.md §2.
 
+Prefill ahead (`prefill_ahead_tokens` R, opt-in; needs the prefix cache with a host tier):
+where the cap above breaks a KV-bound run's waves (requests admitted one by one, each after
+its own capped prefill, so the decode batch ramps up and winds down for hundreds of steps),
+this keeps them and still hides the prompts under the decodes. When the next waiting request
+finds no room, one request that has not run yet is admitted *ahead*: its prompt alone is
+prefilled, at most max(page, R - decode tokens) a step, beside the decodes, provided it fits
+beside every running request grown to its last token (so it never preempts anyone; with it on,
+admission plans every running request's remaining tokens, not the decaying ratio below). Once
+its prompt is computed (and its first token read back) it *parks*: it leaves the pool like a
+preempted request, but the cache keeps its pages (evicted to the host tier when room is
+needed) and it waits before the requests that never ran. When a wave ends it comes back as a
+prefix hit (its pages loaded from the host) with only its first token's position to compute.
+Admission keeps a prompt's worth of pages free for the next prefill ahead, and prefills ahead
+only while the host tier can hold the parked prompts. The schedule simulation (Gemma-3-27B,
+48 x (7,936 + 1,024) in 20 GiB, benchmarks/schedule_sim.py) gives 78.3 s with R = 128 against
+91.0 without and 81.5 with the cap at 192; not measured on a GPU yet.
+
 A hit on pages offloaded to host or disk is admitted (pages allocated, loads queued) but held
 out of the forward while `cache.loads_pending` (on CUDA the loads land on a side stream while
 other requests compute): a held running request is skipped (no budget used; it keeps its
@@ -55,7 +72,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from swaserve.engine.request import Request, RequestStatus
+from swaserve.engine.request import PLACEHOLDER, Request, RequestStatus
 from swaserve.memory.manager import MemoryManager
 from swaserve.memory.radix_cache import PrefixHit, RadixCache
 
@@ -103,6 +120,7 @@ class Scheduler:
         conservativeness: float = 1.0,
         policy: str = "fcfs",
         kv_bound_step_tokens: int = 0,
+        prefill_ahead_tokens: int = 0,
     ) -> None:
         self.memory = memory
         # "priority": the queues ordered by (priority, arrival) (module docstring)
@@ -115,6 +133,13 @@ class Scheduler:
         self.conservativeness = conservativeness
         # R of the prefill cap under KV pressure (module docstring); 0: never capped
         self.kv_bound_step_tokens = kv_bound_step_tokens
+        # Prefill ahead (module docstring): the ahead request's chunks carry at most this many
+        # tokens less the step's decodes; 0: off. Its prompts park in the cache's host tier.
+        self.prefill_ahead_tokens = prefill_ahead_tokens
+        if prefill_ahead_tokens and (cache is None or not cache.tiers):
+            raise ValueError("prefill ahead parks prompts in the prefix cache's host tier: it "
+                             "needs the prefix cache with --host-cache-gb")  # fmt: skip
+        self.num_parks = 0  # prompts prefilled ahead and parked, for metrics and tests
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -183,6 +208,10 @@ class Scheduler:
         waiting_for = 0  # pages the seeded verifies that wait for room lack (kept free below)
         decoding = self._decode_picks()
         prefill_left = self._prefill_allowance()  # None: no cap
+        ahead_left = 0
+        if self.prefill_ahead_tokens:
+            self._park_prefilled()
+            ahead_left = max(self.memory.page_size, self.prefill_ahead_tokens - self._decodes())
         # Asked per request only while some hit's loads are pending (none: most steps)
         loads = self.cache is not None and self.cache.has_pending_loads()
         for req in list(self.running):
@@ -198,6 +227,8 @@ class Scheduler:
             if loads and self._loading(req):
                 held = True
                 continue
+            if req.ahead and req.num_computed_tokens >= req.num_prompt_tokens:
+                continue  # prefilled ahead, its first token in flight: it parks next step
             if decoding is not None and _decoding(req) and id(req) not in decoding:
                 continue  # past the decode cap: the next step
             end = self._chunk_end(req) if self.speculative else req.num_tokens_with_drafts
@@ -205,6 +236,10 @@ class Scheduler:
             prefilling = prefill_left is not None and not _decoding(req)
             if prefilling:
                 n = min(n, prefill_left)
+                if n <= 0:
+                    continue
+            if req.ahead:
+                n = min(n, ahead_left)
                 if n <= 0:
                     continue
             # A verify chunk [last, drafts] cut short verifies fewer drafts, which changes a
@@ -250,6 +285,8 @@ class Scheduler:
                 budget -= n
                 if prefilling:
                     prefill_left -= n
+                if req.ahead:
+                    ahead_left -= n
         if batch:
             self.new_token_ratio = max(
                 MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
@@ -257,6 +294,7 @@ class Scheduler:
         if batch.preempted:
             return batch  # memory is tight: admit nobody new this step
         reserve = None  # O(running): worked out only when someone may be admitted
+        blocked = False  # the next waiting request found no room
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if reserve is None:
                 reserve = self._growth_reserve(batch) + waiting_for
@@ -264,7 +302,7 @@ class Scheduler:
             if room <= 0:
                 break
             req = self.waiting[0]
-            n = self._admit(req, room, reserve)
+            n = self._admit(req, room, reserve + self._ahead_room())
             if n is None:
                 if not self.running:
                     # The pool is empty and still cannot take one chunk: it never will.
@@ -272,8 +310,10 @@ class Scheduler:
                     batch.rejected.append(self._finish(req))
                     log.error("request %s cannot fit in the KV pool; aborted", req.request_id)
                     continue
+                blocked = True
                 break
             self.waiting.popleft()
+            req.parked = False
             self.run(req)
             if self._loading(req):
                 held = True
@@ -283,9 +323,86 @@ class Scheduler:
                 budget -= n
                 if prefill_left is not None:
                     prefill_left -= n
+        if (blocked and self.prefill_ahead_tokens and budget > 0 and ahead_left > 0
+                and len(self.running) < self.max_num_seqs):
+            held |= self._admit_ahead(batch, min(budget, ahead_left))
         if held and not batch:
             self.cache.wait_loads()  # nothing to overlap them with: no busy polling
         return batch
+
+    # ---- prefill ahead ----------------------------------------------------------------------
+
+    def _decodes(self) -> int:
+        """Tokens the running requests in decode (or verify) compute next."""
+        return sum(
+            r.num_tokens_with_drafts - r.num_computed_tokens
+            for r in self.running
+            if r.status is RequestStatus.RUNNING and _decoding(r)
+        )
+
+    def _park_prefilled(self) -> None:
+        """Ahead requests whose prompt is computed leave the pool: the cache keeps their pages
+        (evicted to the host tier when room is needed) and they wait, parked, before the
+        requests that never ran, to come back as a prefix hit once they have room to decode.
+        One whose first token is still in flight (overlap schedule) parks a step later."""
+        for req in [r for r in self.running if r.ahead]:
+            if req.num_computed_tokens < req.num_prompt_tokens or (
+                    req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER):
+                continue  # fmt: skip
+            self.running.remove(req)
+            self._release(req)
+            req.num_computed_tokens = 0
+            req.ahead, req.parked = False, True
+            req.status = RequestStatus.WAITING
+            self.num_parks += 1
+            if self.by_priority:
+                _insert(self.waiting, req)
+            else:  # after the parked ones before it: they come back in the order they parked
+                i = 0
+                while i < len(self.waiting) and self.waiting[i].parked:
+                    i += 1
+                self.waiting.insert(i, req)
+            log.debug("parked %s (prefilled ahead)", req.request_id)
+
+    def _ahead_room(self) -> int:
+        """Pages admission keeps free for the next prompt to prefill ahead: a prompt like the
+        queue's head (0 when off, when one is being prefilled ahead, or nothing would be left
+        to prefill once the head is admitted)."""
+        if not self.prefill_ahead_tokens or len(self.waiting) < 2:
+            return 0
+        if any(r.ahead for r in self.running):
+            return 0
+        return self.memory.settled_pages(self.waiting[0].num_prompt_tokens)
+
+    def _admit_ahead(self, batch: ScheduledBatch, room: int) -> bool:
+        """Start prefilling ahead the first waiting request that has not been (one at a time,
+        while the host tier can take its prompt beside those parked already), if its prompt
+        fits beside every running request grown to its last token (`max_tokens`): prefilling
+        ahead never preempts anyone. Returns whether it waits for loads of a cached prefix."""
+        if any(r.ahead for r in self.running):
+            return False
+        req = next((r for r in self.waiting if not r.parked), None)
+        if req is None or req.params.prompt_logprobs is not None:
+            return False
+        parked = sum(self.memory.settled_pages(r.num_prompt_tokens)
+                     for r in self.waiting if r.parked)  # fmt: skip
+        host = self.cache.tiers[0].capacity
+        if parked + self.memory.settled_pages(req.num_prompt_tokens) > host:
+            return False
+        settled = self.memory.settled_pages
+        reserve = sum(settled(r.num_prompt_tokens + r.max_tokens) - settled(r.num_computed_tokens)
+                      for r in self.running)  # fmt: skip
+        n = self._admit(req, room, reserve, ahead=True)
+        if n is None:
+            return False
+        self.waiting.remove(req)
+        req.ahead = True
+        self.run(req)
+        if self._loading(req):
+            return True
+        if n:
+            batch.add(req, n)
+        return False
 
     def _decode_picks(self) -> set[int] | None:
         """The decoding requests (ids of the objects) that may run this step under the decode
@@ -320,11 +437,7 @@ class Scheduler:
         pages = self.memory.settled_pages(head.num_tokens + self.expected_new_tokens(head))
         if self.memory.pool.capacity >= target * max(1, pages):
             return None  # the pool holds >= R such requests: its decodes fill the GEMMs
-        decodes = sum(
-            r.num_tokens_with_drafts - r.num_computed_tokens
-            for r in self.running
-            if r.status is RequestStatus.RUNNING and _decoding(r)
-        )
+        decodes = self._decodes()
         if not decodes:
             return None  # nothing to ride along with: big chunks are the fastest prefill
         return max(self.memory.page_size, target - decodes)
@@ -388,9 +501,13 @@ class Scheduler:
             return 0
         sure = min(left, max(0, req.params.min_tokens - done))
         rest = min(left - sure, CLIP_MAX_NEW_TOKENS)
-        return sure + int(rest * min(1.0, self.new_token_ratio * self.conservativeness))
+        # Prefill ahead plans with every token due: the running requests' growth must not eat
+        # the room kept for the prompt being prefilled ahead (module docstring)
+        ratio = 1.0 if self.prefill_ahead_tokens else self.new_token_ratio
+        return sure + int(rest * min(1.0, ratio * self.conservativeness))
 
-    def _admit(self, req: Request, budget: int, reserve: int = 0) -> int | None:
+    def _admit(self, req: Request, budget: int, reserve: int = 0, ahead: bool = False
+               ) -> int | None:
         """Allocate the first chunk of a waiting request, from its longest cached prefix.
         Returns the chunk's token count, or None (nothing changed) when it does not fit.
 
@@ -406,12 +523,12 @@ class Scheduler:
             else:
                 hit = None
         try:
-            n = self._fit(req, hit, budget, reserve)
+            n = self._fit(req, hit, budget, reserve, ahead)
             if n is None and hit is not None and not self.running:
                 # Nothing else runs: as a miss it may fit where the hit's pages do not.
                 self.cache.unlock(hit)
                 hit = None
-                n = self._fit(req, hit, budget, reserve)
+                n = self._fit(req, hit, budget, reserve, ahead)
             if n is None:
                 return None
             if self.cache is not None:
@@ -428,7 +545,8 @@ class Scheduler:
         return n
 
     def _fit(
-        self, req: Request, hit: PrefixHit | None, budget: int, reserve: int = 0
+        self, req: Request, hit: PrefixHit | None, budget: int, reserve: int = 0,
+        ahead: bool = False,
     ) -> int | None:
         """The chunk a waiting request would start with, if its pages fit (joint fit plus the
         watermark and the running requests' growth reserve), evicting unlocked cache pages
@@ -447,7 +565,8 @@ class Scheduler:
         # The full groups must have room for the whole prompt: their pages never retire, so a
         # prompt started without it is preempted before it ends and recomputed, again and again.
         # Beside other requests, room for its expected output too; alone, it always starts.
-        end = req.num_tokens + (self.expected_new_tokens(req) if self.running else 0)
+        end = req.num_tokens + (self.expected_new_tokens(req) if self.running and not ahead
+                                else 0)  # prefilled ahead: the prompt only, it parks
         prompt_pages = -(-end // ps) - -(-p // ps)
         full_need = sum(g.window is None for g in groups) * prompt_pages + fixed
         short = max(need, full_need) - self.memory.pool.num_free
@@ -470,6 +589,7 @@ class Scheduler:
         self._release(req)
         req.draft_token_ids.clear()
         req.num_computed_tokens = 0
+        req.ahead = False  # back in the queue like any preempted request
         req.num_preemptions += 1
         self.num_preemptions += 1
         # The running requests grew more than expected: expect more from them from now on.

@@ -138,3 +138,14 @@ def test_schedule_sim_floor_bounds_its_schedules():
         assert low["floor_s"] == pytest.approx(low["gemm_s"] + low["attention_s"], abs=0.11)
     assert sim.floor("offline", sim.GPUS["h200"])["decode_steps"] == 1024
     assert sim.floor("fp8-16k", sim.GPUS["h200"])["decode_steps"] > 1024  # 16 GiB binds
+
+
+def test_schedule_sim_prefill_ahead_through_the_host_tier():
+    """schedule_sim with the real radix cache and a host tier: prompts prefilled ahead park
+    and come back as hits, every prompt token computed about once, faster than without."""
+    sim = _script("schedule_sim")
+    off = sim.simulate("hybrid-prefill", sim.GPUS["h200"], 0)
+    ahead = sim.simulate("hybrid-prefill", sim.GPUS["h200"], 0, host_gib=40, ahead=192)
+    assert ahead["parks"] > 5 and ahead["host_gib_moved"] > 0
+    assert 48 * 7936 <= ahead["prefill_tokens"] < 48 * 7936 * 1.01
+    assert ahead["seconds"] < off["seconds"]
