@@ -2,7 +2,8 @@
 # Every GPU benchmark of the project in priority order, each under its own time limit, logs
 # and JSON under $OUT (default ./bench_out); a cut-off run keeps what the earlier ones wrote.
 # The default steps take ~30 min: more than one device call (10 min each), so pick with STEPS;
-# gemv, serve_vs_offline, greedy_agreement, pd_transfer and kv_bound_* run only when named. E.g.
+# gemv, serve_vs_offline, greedy_agreement, pd_transfer, kv_bound_* and ahead_* run only when
+# named. E.g.
 #   STEPS="engine_decode offline_vs_hf" bash benchmarks/run_gpu.sh
 #   STEPS="window_vs_full fp8_vs_bf16 fp8_gemma270m" bash benchmarks/run_gpu.sh g.gguf
 # Usage (repo root): [STEPS="..."] bash benchmarks/run_gpu.sh [gemma-3-270m.gguf]
@@ -37,6 +38,14 @@ step kv_bound_decode 560 python3 benchmarks/vs_vllm.py --workloads hybrid-decode
     swaserve swaserve@kv_bound_step_tokens=192 swaserve@kv_bound_step_tokens=256
 step kv_bound_prefill 560 python3 benchmarks/vs_vllm.py --workloads hybrid-prefill --engines \
     swaserve swaserve@kv_bound_step_tokens=192 swaserve@kv_bound_step_tokens=256
+# prefill ahead (--prefill-ahead-tokens, opt-in) against off and the cap: it parks prompts in
+# the prefix cache's host tier, which the hybrid workloads turn off for the peer's sake (the
+# prompts share nothing, so the cache brings nothing else); 40 GiB of pinned host memory
+AHEAD="disable_prefix_cache=False,host_cache_gb=40,prefill_ahead_tokens"
+step ahead_decode 580 python3 benchmarks/vs_vllm.py --workloads hybrid-decode --engines \
+    swaserve swaserve@kv_bound_step_tokens=192 "swaserve@$AHEAD=128"
+step ahead_prefill 580 python3 benchmarks/vs_vllm.py --workloads hybrid-prefill --engines \
+    swaserve "swaserve@$AHEAD=192" "swaserve@$AHEAD=128"
 # the server's dependencies: `bash scripts/server_wheels_for_device.sh pack` here, carry
 # .devcarry/srv, then eval "$(bash scripts/server_wheels_for_device.sh install /root/srvpy)"
 # SVO_ARGS: its flags, e.g. "--rows offline serve --stream-intervals 1 4"

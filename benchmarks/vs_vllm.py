@@ -95,7 +95,7 @@ class _Swaserve:
             kwargs["max_num_batched_tokens"] = w.budget
         if fp8:
             kwargs.update(kv_cache_dtype="fp8_e4m3", kv_cache_scale=1.0)
-        self.engine = Engine(**kwargs, **(extra or {}))
+        self.engine = Engine(**{**kwargs, **(extra or {})})  # ENGINE@KEY=VALUE wins
 
     def kv_tokens(self) -> int | None:
         """Tokens the KV pool holds, for a model whose layers form one group (a hybrid
