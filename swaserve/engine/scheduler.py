@@ -351,6 +351,7 @@ class Scheduler:
                 continue  # fmt: skip
             self.running.remove(req)
             self._release(req)
+            req.draft_token_ids.clear()
             req.num_computed_tokens = 0
             req.ahead, req.parked = False, True
             req.status = RequestStatus.WAITING
@@ -538,7 +539,7 @@ class Scheduler:
                 self.cache.unlock(hit)
         if hit is not None:
             req.num_computed_tokens = hit.num_tokens
-            if req.num_preemptions == 0:
+            if req.num_preemptions == 0 and not req.parked:  # a parked prompt hits itself
                 req.num_cached_tokens = hit.num_tokens
         ok = self.memory.allocate(req, n)
         assert ok, "_fit promised a joint fit"

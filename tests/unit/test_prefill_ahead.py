@@ -66,6 +66,7 @@ def _run(folder, ahead: int):  # noqa: F811
     core.cache.check_integrity()
     got = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs],
             o.outputs[0].finish_reason) for o in outs]  # fmt: skip
+    assert all(o.num_cached_tokens == 0 for o in outs)  # distinct prompts: a park is no hit
     return got, steps, sched, core.cache.stats()
 
 
