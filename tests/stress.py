@@ -257,6 +257,7 @@ class Workload:
     notes: dict = field(default_factory=dict)
     spec: SpecChoice | None = None
     policy: str = "fcfs"  # --scheduling-policy; "priority": the params carry priorities
+    ahead: int = 0  # --prefill-ahead-tokens (with a host tier only)
 
 
 def with_priorities(w: Workload) -> Workload:
@@ -268,6 +269,16 @@ def with_priorities(w: Workload) -> Workload:
         return w
     params = [dataclasses.replace(p, priority=rng.randint(-2, 2)) for p in w.params]
     return dataclasses.replace(w, policy="priority", params=params)
+
+
+def with_prefill_ahead(w: Workload) -> Workload:
+    """A third of the workloads with a host tier prefill ahead (engine/scheduler.py), R drawn
+    in [1, 32]: prompts parked in the cache and admitted again must give what a roomy pool
+    gives. An rng of its own, as in `with_priorities`."""
+    rng = random.Random(w.seed * 2_654_435 + 7)
+    if not w.host_pages or rng.random() >= 1 / 3:
+        return w
+    return dataclasses.replace(w, ahead=rng.randint(1, 32))
 
 
 def _pages_alone(windows: list[int | None], ps: int, tokens: int) -> int:
@@ -413,7 +424,7 @@ def build_engine(w: Workload, folder: Path, tmp: Path, models: Models) -> Engine
         model=str(folder), page_size=w.page_size, kv_cache_gb=_gb(w.num_pages, bpp),
         max_num_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
         disable_overlap_schedule=not w.overlap, schedule_conservativeness=w.conservativeness,
-        scheduling_policy=w.policy, **_device_args(device), **kw,
+        scheduling_policy=w.policy, prefill_ahead_tokens=w.ahead, **_device_args(device), **kw,
     )
     assert eng.core.memory.pool.capacity == w.num_pages - 1, "pool sizing"
     if w.lag and device == "cpu":  # on CUDA the load stream lags for real
@@ -446,7 +457,7 @@ def _expected(models: Models, w: Workload, folder: Path, k: int, prompt: list[in
 def run_workload(seed: int, models: Models, tmp: Path, spec: bool = False) -> dict:
     """Run one workload (`spec`: with speculation, draw_spec); returns counters. Raises
     AssertionError naming the seed."""
-    w = with_priorities(draw_spec(seed) if spec else draw(seed))
+    w = with_prefill_ahead(with_priorities(draw_spec(seed) if spec else draw(seed)))
     folder = models.folder(w.pattern, w.window)
     try:
         return _run(w, models, folder, tmp)
@@ -459,7 +470,8 @@ def _describe(w: Workload) -> str:
         f"pattern {''.join(w.pattern)} window {w.window} page {w.page_size} budget {w.budget} "
         f"seqs {w.max_num_seqs} pages {w.num_pages} host {w.host_pages} disk {w.disk} "
         f"wt {w.write_through} lag {w.lag} overlap {w.overlap} "
-        f"conservativeness {w.conservativeness} policy {w.policy} prompts {len(w.prompts)}"
+        f"conservativeness {w.conservativeness} policy {w.policy} ahead {w.ahead} "
+        f"prompts {len(w.prompts)}"
         + (f" spec {w.spec}" if w.spec is not None else "")
     )
 
@@ -576,6 +588,7 @@ def _run(w: Workload, models: Models, folder: Path, tmp: Path) -> dict:
         "aborted": len(aborted),
         "rejected": rejected,
         "preemptions": core.scheduler.num_preemptions,
+        "parks": core.scheduler.num_parks,
         **{k: v for k, v in cache.stats().items() if isinstance(v, int)},
     }
     result.update(spec_totals)

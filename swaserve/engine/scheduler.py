@@ -367,11 +367,12 @@ class Scheduler:
 
     def _ahead_room(self) -> int:
         """Pages admission keeps free for the next prompt to prefill ahead: a prompt like the
-        queue's head (0 when off, when one is being prefilled ahead, or nothing would be left
-        to prefill once the head is admitted)."""
+        queue's head. 0 when off, when one is being prefilled ahead, when nothing would be left
+        to prefill once the head is admitted, and when nothing decodes (the head would have no
+        decodes to be prefilled beside: it starts now, and an empty pool always admits it)."""
         if not self.prefill_ahead_tokens or len(self.waiting) < 2:
             return 0
-        if any(r.ahead for r in self.running):
+        if any(r.ahead for r in self.running) or not any(_decoding(r) for r in self.running):
             return 0
         return self.memory.settled_pages(self.waiting[0].num_prompt_tokens)
 

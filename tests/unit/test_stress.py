@@ -95,8 +95,9 @@ def test_stress_seeds_that_found_bugs(seed, models, tmp_path):
 def test_stress_sweep(models, tmp_path):
     """Fresh seeds, about 2 minutes on an idle 2-core machine."""
     totals = run_sweep(range(10_000, 10_000 + sweep_size(800)), models, tmp_path)
-    # The sweep must exercise what it claims to: hits, evictions, host loads, preemptions.
-    for key in ("cache_hits", "evictions", "host_loads", "preemptions", "requests"):
+    # The sweep must exercise what it claims to: hits, evictions, host loads, preemptions,
+    # prompts prefilled ahead and parked.
+    for key in ("cache_hits", "evictions", "host_loads", "preemptions", "parks", "requests"):
         assert totals.get(key, 0) > 0, (key, totals)
 
 
