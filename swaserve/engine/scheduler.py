@@ -57,7 +57,9 @@ prefix hit (its pages loaded from the host) with only its first token's position
 Admission keeps a prompt's worth of pages free for the next prefill ahead, and prefills ahead
 only while the host tier can hold the parked prompts. The schedule simulation (Gemma-3-27B,
 48 x (7,936 + 1,024) in 20 GiB, benchmarks/schedule_sim.py) gives 78.3 s with R = 128 against
-91.0 without and 81.5 with the cap at 192; not measured on a GPU yet.
+91.0 without and 81.5 with the cap at 192; for a pool of ~7 Llama-8B requests of 16k-token
+prompts it gives 145.9 s against 116.8 (the prompt ahead takes one of the few decode slots, and
+its attention over 16k keys runs slowly in small chunks). Not measured on a GPU yet.
 
 A hit on pages offloaded to host or disk is admitted (pages allocated, loads queued) but held
 out of the forward while `cache.loads_pending` (on CUDA the loads land on a side stream while
