@@ -408,7 +408,7 @@ def memory_view(stats: dict) -> dict:
     pages_used with kind and window, the prefix cache's counters) plus the queue lengths."""
     mem = dict(stats.get("memory", {}))
     mem["groups"] = [dict(g) for g in mem.get("groups", [])]
-    for key in ("num_running", "num_waiting", "num_preemptions"):
+    for key in ("num_running", "num_waiting", "num_preemptions", "num_parks"):
         mem[key] = stats.get(key, 0)
     return mem
 

@@ -74,6 +74,7 @@ def core_stats(core: EngineCore) -> dict:
         "num_running": len(core.scheduler.running),
         "num_waiting": len(core.scheduler.waiting),
         "num_preemptions": getattr(core.scheduler, "num_preemptions", 0),
+        "num_parks": getattr(core.scheduler, "num_parks", 0),
         "memory": mem,
     }
 

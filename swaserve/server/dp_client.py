@@ -20,7 +20,7 @@ from swaserve.sampling.params import SamplingParams
 from swaserve.server.ipc import CoreClient, CoreUnavailable, QueueFull
 from swaserve.server.router_dp import PrefixAffinity, choose_replica, prefix_keys
 
-_QUEUE_KEYS = ("num_running", "num_waiting", "num_preemptions")
+_QUEUE_KEYS = ("num_running", "num_waiting", "num_preemptions", "num_parks")
 _NOT_SUMMED = ("page_size",)
 
 

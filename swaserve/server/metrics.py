@@ -84,6 +84,9 @@ class Metrics:
             registry=r,
         )
         self.preemptions = Counter(P + "num_preemptions", "Preemptions", registry=r)
+        self.parks = Counter(P + "num_parked_prompts",
+                             "Prompts prefilled ahead and parked (--prefill-ahead-tokens)",
+                             registry=r)  # fmt: skip
         self.e2e = Histogram(
             P + "e2e_request_latency_seconds",
             "Request latency, arrival to last token, per finished sequence",
@@ -181,6 +184,7 @@ class Metrics:
         self.cache_pages.set(mem.get("cache_pages", 0))
         self.host_pages.set(mem.get("host_pages", 0))
         self._grow(self.preemptions, "num_preemptions", stats.get("num_preemptions", 0))
+        self._grow(self.parks, "num_parks", stats.get("num_parks", 0))
         self._grow(self.evictions, "evictions", mem.get("evictions", 0))
         self._grow(self.host_loads, "host_loads", mem.get("host_loads", 0))
 

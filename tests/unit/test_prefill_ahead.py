@@ -96,3 +96,20 @@ def test_prefill_ahead_needs_a_host_tier(folder):  # noqa: F811
     with pytest.raises(ValueError, match="prefill_ahead_tokens"):
         Engine(model=str(folder), device="cpu", page_size=PAGE, kv_cache_gb=0.05,
                host_cache_gb=0.01, disable_prefix_cache=True, prefill_ahead_tokens=R)  # fmt: skip
+
+
+def test_parks_reach_prometheus_as_a_counter():
+    """The core's running total of parks becomes swaserve:num_parked_prompts_total, and
+    /v1/memory's num_parks (server/app.memory_view)."""
+    from prometheus_client import generate_latest
+
+    from swaserve.server.app import memory_view
+    from swaserve.server.metrics import Metrics
+
+    m = Metrics()
+    for total in (3, 5, 5):
+        stats = {"num_running": 1, "num_waiting": 2, "num_parks": total,
+                 "memory": {"pages_held_by_requests": 0, "pages_total": 100}}  # fmt: skip
+        m.update_core_stats(stats)
+    assert "swaserve:num_parked_prompts_total 5.0" in generate_latest(m.registry).decode()
+    assert memory_view(stats)["num_parks"] == 5
