@@ -51,7 +51,7 @@ CHROMIUM_FLAGS = [
 MEMORY_KEYS = {
     "page_size", "pages_total", "pages_free", "pages_held_by_requests", "pages_held_by_others",
     "groups", "cache_pages", "host_pages", "cache_hit_tokens", "evictions", "host_loads",
-    "num_running", "num_waiting", "num_preemptions",
+    "num_running", "num_waiting", "num_preemptions", "num_parks",
 }
 
 
@@ -143,7 +143,7 @@ def test_disable_playground_gives_404_at_root(monkeypatch):
     assert off.get("/v1/memory").status_code == 401
     mem = off.get("/v1/memory", headers={"Authorization": "Bearer k"}).json()
     assert mem == {"pages_total": 8, "pages_free": 5, "groups": [], "num_running": 1,
-                   "num_waiting": 0, "num_preemptions": 0}
+                   "num_waiting": 0, "num_preemptions": 0, "num_parks": 0}
     assert "/v1/memory" in off.get("/openapi.json").json()["paths"]
     assert "/" not in on.get("/openapi.json").json()["paths"]
     Client.dead = "gone"
