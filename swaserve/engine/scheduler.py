@@ -510,8 +510,9 @@ class Scheduler:
         ratio = 1.0 if self.prefill_ahead_tokens else self.new_token_ratio
         return sure + int(rest * min(1.0, ratio * self.conservativeness))
 
-    def _admit(self, req: Request, budget: int, reserve: int = 0, ahead: bool = False
-               ) -> int | None:
+    def _admit(
+        self, req: Request, budget: int, reserve: int = 0, ahead: bool = False
+    ) -> int | None:
         """Allocate the first chunk of a waiting request, from its longest cached prefix.
         Returns the chunk's token count, or None (nothing changed) when it does not fit.
 
