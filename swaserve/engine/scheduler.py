@@ -351,12 +351,8 @@ class Scheduler:
             if req.num_computed_tokens < req.num_prompt_tokens or (
                     req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER):
                 continue  # fmt: skip
-            self.running.remove(req)
-            self._release(req)
-            req.draft_token_ids.clear()
-            req.num_computed_tokens = 0
-            req.ahead, req.parked = False, True
-            req.status = RequestStatus.WAITING
+            self._leave_pool(req)
+            req.parked = True
             self.num_parks += 1
             if self.by_priority:
                 _insert(self.waiting, req)
@@ -388,12 +384,10 @@ class Scheduler:
         req = next((r for r in self.waiting if not r.parked), None)
         if req is None or req.params.prompt_logprobs is not None:
             return False
-        parked = sum(self.memory.settled_pages(r.num_prompt_tokens)
-                     for r in self.waiting if r.parked)  # fmt: skip
-        host = self.cache.tiers[0].capacity
-        if parked + self.memory.settled_pages(req.num_prompt_tokens) > host:
-            return False
         settled = self.memory.settled_pages
+        parked = sum(settled(r.num_prompt_tokens) for r in self.waiting if r.parked)
+        if parked + settled(req.num_prompt_tokens) > self.cache.tiers[0].capacity:
+            return False
         reserve = sum(settled(r.num_prompt_tokens + r.max_tokens) - settled(r.num_computed_tokens)
                       for r in self.running)  # fmt: skip
         n = self._admit(req, room, reserve, ahead=True)
@@ -588,18 +582,24 @@ class Scheduler:
         k = min(n, (-(-p // ps) + per_group) * ps - p)
         return k if k > 0 else None
 
-    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
-        """Recompute later: drop every page; the request keeps its tokens and goes first."""
+    def _leave_pool(self, req: Request) -> None:
+        """A running request waits again with its tokens (preempted or parked): its computed
+        pages go to the cache and it frees the rest, drops its drafts, and is computed again
+        from its longest cached prefix when admitted. The caller queues it."""
         self.running.remove(req)
         self._release(req)
         req.draft_token_ids.clear()
         req.num_computed_tokens = 0
-        req.ahead = False  # back in the queue like any preempted request
+        req.ahead = False
+        req.status = RequestStatus.WAITING
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        """Recompute later: drop every page; the request keeps its tokens and goes first."""
+        self._leave_pool(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         # The running requests grew more than expected: expect more from them from now on.
         self.new_token_ratio = min(1.0, max(INIT_NEW_TOKEN_RATIO, self.new_token_ratio + 0.2))
-        req.status = RequestStatus.WAITING
         if self.by_priority:
             _insert(self.waiting, req)  # ahead of later arrivals of its priority
         else:
