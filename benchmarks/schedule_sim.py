@@ -7,8 +7,8 @@ The loop: schedule; every scheduled request computes its chunk; one that reaches
 tokens samples one more (no overlap schedule: a request finishes in the step that samples its
 last token); retire. Step cost (ms), from the model's shape and the GPU's measured ceilings:
 
-    GEMMs      (w^3 + c^3)^(1/3): w = weight bytes / bandwidth, c = 2 x params x tokens / flops
-               (neither bound is reached at the ridge: 1.26x there)
+    GEMMs      (w^p + c^p)^(1/p), p = RIDGE_P: w = weight bytes / bandwidth, c = 2 x params x
+               tokens / flops (neither bound is reached near the ridge: 1.64x there)
     decodes    the K/V bytes they read (each layer's keys, a window bounds them) / bandwidth
     chunks     4 x tokens x keys x heads x head_dim per layer / attention flops, the rate
                falling for chunks of few query blocks (sqrt(tokens / 512), at most 1)
@@ -17,12 +17,15 @@ last token); retire. Step cost (ms), from the model's shape and the GPU's measur
 Calibrated only loosely (H200: a Gemma-3-27B decode step of 17 requests 21.4 ms, a 5.5k-token
 prefill step 482 ms, benchmarks/RESULTS.md stops 24/27): a guide to where a run's time goes
 and how settings compare, **not** a measurement; the GPU decides. Against the GPU so far
-(RESULTS.md, 2026-12-06): fp8-16k on an H100, cap off 144.6 s predicted / 145.1 measured, 7 /
-7 preemptions; R = 192 142.9 / 155.5 s, 9 / 9 preemptions: the scheduler's dynamics come out
-exactly, the capped (mixed) steps ~2 ms each cheaper than on the GPU. Gemma-3-27B
-hybrid-decode on an H200, cap off: 91.0 s predicted, 96.9 measured (stop 27). The offline
-run: 42.5 s predicted, 46.4-46.9 measured (stop 31): the model knows no host time and puts
-the GEMMs of ~900-row steps at their roofline.
+(RESULTS.md, 2026-12-06), predicted / measured at p = 1.4: fp8-16k on an H100, cap off 145.0 /
+145.1 s, 7 / 7 preemptions; R = 192 154.2 / 155.5 s, 9 / 9 preemptions (the scheduler's
+dynamics come out exactly). Gemma-3-27B hybrid-decode, cap off: H200 92.2 / 96.9 s (stop
+27), H100 114.6 / 122.4; prefill ahead 128 on the H100 (24 GiB host tier) 119.5 / ~123.
+The offline run: 43.9 / 46.4-46.9 s (stop 31): the model knows no host time. p was 3 until
+the H100 profile of prefill ahead (stop 50's session): a step of 16 Gemma decodes and a
+112-token chunk took 33.4 ms against 27.2 for the decodes alone, where p = 3 put the chunk's
+GEMM rows at +1.7 ms; p = 3 gave 108.8 s for that run, 97.6 with the 40 GiB host tier
+that vs_vllm.py measured at 136.8 (fp8-16k R = 192: 142.9).
 
 `--host-gib G` runs the real radix cache with a host tier of G GiB over a stand-in pool (distinct
 prompts; stores to the host stall a step, loads ride beside it at PCIE), which
@@ -55,6 +58,9 @@ from swaserve.sampling.params import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parent.parent / "swaserve" / "configs"
 STEP_MS = 0.8
+# How a step's weight reads and GEMM FLOPs combine (docstring): fitted to the measured cost of
+# small mixed steps (rows 100-200: past the weight-read time, short of the FLOP rate)
+RIDGE_P = 1.4
 PCIE = 40e9  # bytes/s between host and device, each way (PCIe 5.0 x16, pinned memory)
 
 
@@ -218,7 +224,7 @@ def simulate(workload: str, gpu: Gpu, kv_bound: int, conservativeness: float = 1
         tokens = sum(batch.num_new_tokens)
         ms = STEP_MS
         w, c = weights / gpu.bandwidth, flops_per_token * tokens / gpu.gemm_flops
-        ms += 1e3 * (w**3 + c**3) ** (1 / 3)
+        ms += 1e3 * (w**RIDGE_P + c**RIDGE_P) ** (1 / RIDGE_P)
         dec = pre = 0
         for req, k in zip(batch.requests, batch.num_new_tokens):
             ctx = req.num_computed_tokens

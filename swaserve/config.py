@@ -73,7 +73,8 @@ class EngineConfig:
     # Prefill ahead (engine/scheduler.py): while the pool is full of decodes, one waiting
     # prompt at a time is prefilled in chunks of at most this many tokens less the step's
     # decodes, and parked in the prefix cache's host tier until there is room for it to decode.
-    # Needs the prefix cache and --host-cache-gb. 0: off. Not measured on a GPU yet.
+    # Needs the prefix cache and --host-cache-gb. 0: off. Did not pay on an H100 (the Gemma
+    # decode-heavy run it was built for: even to -12%; docs/architecture.md §2).
     prefill_ahead_tokens: int = 0
     # fcfs | priority: requests' `priority` orders admission and preemption
     # (engine/scheduler.py), as vLLM's --scheduling-policy

@@ -55,11 +55,13 @@ preempted request, but the cache keeps its pages (evicted to the host tier when 
 needed) and it waits before the requests that never ran. When a wave ends it comes back as a
 prefix hit (its pages loaded from the host) with only its first token's position to compute.
 Admission keeps a prompt's worth of pages free for the next prefill ahead, and prefills ahead
-only while the host tier can hold the parked prompts. The schedule simulation (Gemma-3-27B,
-48 x (7,936 + 1,024) in 20 GiB, benchmarks/schedule_sim.py) gives 78.3 s with R = 128 against
-91.0 without and 81.5 with the cap at 192; for a pool of ~7 Llama-8B requests of 16k-token
-prompts it gives 145.9 s against 116.8 (the prompt ahead takes one of the few decode slots, and
-its attention over 16k keys runs slowly in small chunks). Not measured on a GPU yet.
+only while the host tier can hold the parked prompts. Measured on an H100 (Gemma-3-27B, 48 x
+(7,936 + 1,024) in 20 GiB, R = 128) it does not pay: a graphed step of 16 decodes and a
+112-token chunk costs 33.4 ms against 27.2 for the decodes alone, 0.055 ms a hidden prompt token
+against 0.087 in a big prefill step, and the run came out even (24 GiB host tier) or 12% slower
+(40 GiB) against 122.4 s without. It loses more on a pool of ~7 Llama-8B requests of 16k-token
+prompts (the prompt ahead takes one of the few decode slots, and its attention over 16k keys
+runs slowly in small chunks). Opt-in; docs/architecture.md §2.
 
 A hit on pages offloaded to host or disk is admitted (pages allocated, loads queued) but held
 out of the forward while `cache.loads_pending` (on CUDA the loads land on a side stream while
