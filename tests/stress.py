@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +47,8 @@ from swaserve import Engine, SamplingParams
 from swaserve.engine.limits import PromptError
 from swaserve.memory.groups import build_layout
 from swaserve.memory.manager import page_bytes
+
+log = logging.getLogger(__name__)
 
 VOCAB = 48
 EOS = 1
@@ -630,8 +634,12 @@ def run_sweep(seeds: range, models: Models, tmp: Path, spec: bool = False) -> di
     for seed in seeds:
         d = tmp / str(seed)
         d.mkdir()
+        t = time.perf_counter()
         for k, v in run_workload(seed, models, d, spec).items():
             totals[k] = totals.get(k, 0) + v
+        # Live with `pytest --log-cli-level=INFO` (which sweep is slow on a GPU, and where)
+        log.info("stress workload %d%s: %.1f s", seed, " (spec)" if spec else "",
+                 time.perf_counter() - t)
     return totals
 
 
