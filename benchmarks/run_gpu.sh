@@ -2,8 +2,8 @@
 # Every GPU benchmark of the project in priority order, each under its own time limit, logs
 # and JSON under $OUT (default ./bench_out); a cut-off run keeps what the earlier ones wrote.
 # The default steps take ~30 min: more than one device call (10 min each), so pick with STEPS;
-# gemv, serve_vs_offline, greedy_agreement, pd_transfer, kv_bound_* and ahead_* run only when
-# named. E.g.
+# gemv, serve_vs_offline, greedy_agreement, pd_transfer, kv_bound_*, ahead_* and stress_cuda run
+# only when named. E.g.
 #   STEPS="engine_decode offline_vs_hf" bash benchmarks/run_gpu.sh
 #   STEPS="window_vs_full fp8_vs_bf16 fp8_gemma270m" bash benchmarks/run_gpu.sh g.gguf
 # Usage (repo root): [STEPS="..."] bash benchmarks/run_gpu.sh [gemma-3-270m.gguf]
@@ -62,7 +62,10 @@ if [ -n "${DRAFTER:-}" ]; then
 fi
 # tests/gpu/test_dflash_cuda.py needs the dflash reference (pure Python, 25 kB): carry its
 # folder and put it on PYTHONPATH (PYTHONPATH=$PWD/.dev/pylib:...), or it skips.
-step gpu_tests 300 python3 -m pytest -q tests/gpu
+# -u: a step killed at its limit still leaves what pytest printed so far in its log
+step gpu_tests 300 python3 -u -m pytest -q -rf tests/gpu --ignore=tests/gpu/test_stress_cuda.py
+# the CUDA stress sweeps alone (named only), each workload's time live in the log
+step stress_cuda 580 python3 -u -m pytest -v -rf --log-cli-level=INFO tests/gpu/test_stress_cuda.py
 shopt -s nullglob
 for f in "$OUT"/*.log; do
     echo "== $f"
