@@ -2,7 +2,8 @@
 file on disk.
 
 An `OffloadPool` holds pages in the device pool's layout, page-major and as raw bytes, so one
-page is one contiguous block whatever the KV dtype (FP8 included):
+page is one contiguous block whatever the KV dtype (FP8 included); on CUDA the host tier's
+memory is page-locked at its exact size (memory/pinned.py):
 
     data[page, slot, k|v, offset, head, byte]          page 0 is NULL (never handed out)
 
@@ -66,6 +67,7 @@ from typing import Any
 import torch
 
 from swaserve.memory.kv_pool import KVPool
+from swaserve.memory.pinned import PinnedHostBuffer, pinned_empty
 
 NULL = 0
 # One queued copy: (src tier or None for the device, src pages, dst tier or None, dst pages).
@@ -89,6 +91,7 @@ class OffloadPool:
         self.name = name
         self.num_pages = num_pages
         self.path = path
+        self._pinned: PinnedHostBuffer | None = None
         shape = (num_pages, *page_shape)
         if path is not None:
             numel = 1
@@ -98,8 +101,10 @@ class OffloadPool:
             flat = torch.from_file(str(path), shared=True, size=numel, dtype=torch.uint8)
             self.data = flat.view(shape)
             self._remove_file = weakref.finalize(self, _remove, path)  # at close, GC or exit
+        elif pin:  # page-locked at its exact size (memory/pinned.py): async copies
+            self.data, self._pinned = pinned_empty(shape)
         else:
-            self.data = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+            self.data = torch.empty(shape, dtype=torch.uint8)
         self.pinned = path is None and pin
         self._free = list(range(num_pages - 1, NULL, -1))
         self._held: set[int] = set()
@@ -143,9 +148,14 @@ class OffloadPool:
         assert len(free) + len(self._held) == self.capacity, f"{self.name}: pages lost"
 
     def close(self) -> None:
+        """Give the memory back (the page mover has drained: no copy is in flight)."""
         if self.path is not None:
             self.data = torch.empty(0, dtype=torch.uint8)
             self._remove_file()
+        elif self._pinned is not None:
+            self.data = torch.empty(0, dtype=torch.uint8)
+            self._pinned.release()
+            self._pinned = None
 
 
 def _remove(path: Path) -> None:
