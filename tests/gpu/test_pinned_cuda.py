@@ -19,8 +19,12 @@ pytestmark = [
 
 
 def _host_allocator_bytes() -> int:
+    """Bytes torch's caching host allocator has handed out now."""
     stats = torch.cuda.host_memory_stats()
-    return int(stats.get("allocated_bytes.all.current", stats.get("allocated_bytes", 0)))
+    key = next((k for k in ("allocated_bytes.current", "allocated_bytes.all.current")
+                if k in stats), None)  # fmt: skip
+    assert key is not None, sorted(stats)
+    return int(stats[key])
 
 
 def test_exact_size_pinned_roundtrip_and_release():
