@@ -149,11 +149,12 @@ class OffloadPool:
 
     def close(self) -> None:
         """Give the memory back (the page mover has drained: no copy is in flight)."""
+        if self.path is None and self._pinned is None:
+            return  # plain host memory: freed with the pool
+        self.data = torch.empty(0, dtype=torch.uint8)
         if self.path is not None:
-            self.data = torch.empty(0, dtype=torch.uint8)
             self._remove_file()
-        elif self._pinned is not None:
-            self.data = torch.empty(0, dtype=torch.uint8)
+        else:
             self._pinned.release()
             self._pinned = None
 

@@ -21,6 +21,7 @@ export), so a view that outlives `release()` reads valid, merely pageable, memor
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import weakref
 
@@ -38,7 +39,6 @@ class PinnedHostBuffer:
     def __init__(self, nbytes: int) -> None:
         if nbytes <= 0:
             raise ValueError(f"a pinned host buffer needs a positive size, not {nbytes}")
-        self.nbytes = nbytes
         # private: plain process memory (a shared anonymous map would count as shmem)
         mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -81,8 +81,5 @@ def pinned_empty(shape: tuple[int, ...]) -> tuple[torch.Tensor, PinnedHostBuffer
     """A uint8 host tensor of `shape`, page-locked at its exact size, and the buffer that owns
     the pinning (keep it; `release()` it when done). Raises a RuntimeError naming the size when
     the host cannot lock that much (no fallback to torch's allocator, which would lock more)."""
-    nbytes = 1
-    for d in shape:
-        nbytes *= d
-    buf = PinnedHostBuffer(nbytes)
+    buf = PinnedHostBuffer(math.prod(shape))
     return buf.tensor.view(shape), buf
